@@ -1,0 +1,145 @@
+"""A separate small causal LM as the drafter (Leviathan et al. 2023; Chen et al. 2023).
+
+Any HF causal LM that shares the target's vocabulary works. The draft keeps its own KV cache
+across steps and rolls it back to the accepted prefix, so each step feeds it only the tokens it has
+not seen (usually one or two) instead of re-reading the context.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from draftsmith.heads.base import Features, Proposal
+from draftsmith.train.sampling import SamplingParams, choose
+
+
+def check_vocab_compatible(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """Raise when a draft model cannot propose in the target's vocabulary.
+
+    Speculative sampling compares p and q token by token, so both must index the same vocabulary.
+    """
+    if draft_vocab_size != target_vocab_size:
+        raise ValueError(
+            f"draft model vocab size {draft_vocab_size} != target vocab size {target_vocab_size}: "
+            "the draft must share the target's tokenizer and vocabulary"
+        )
+
+
+class DraftLM(nn.Module):
+    """Wrap an HF causal LM as a drafter.
+
+    Args:
+        model: the draft causal LM (put in eval mode here).
+        target_vocab_size: the target's vocabulary size; checked against the draft's.
+    """
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: PreTrainedModel, target_vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.model = model.eval()
+        draft_vocab = model.get_output_embeddings().weight.shape[0]
+        if target_vocab_size is not None:
+            check_vocab_compatible(draft_vocab, target_vocab_size)
+        self._cache: DynamicCache | None = None
+        self._valid = 0  # cached positions that belong to the accepted sequence
+        self._context = 0  # length of ids at the last propose
+        self._fed_drafts = 0  # draft tokens fed to the model during the last propose
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: torch.Tensor, features: Features | None) -> None:
+        """Prefill the draft's cache with the prompt."""
+        self._cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=prompt_ids, cache=self._cache, use_cache=True, logits_to_keep=1)
+        self._valid = prompt_ids.shape[1]
+        self._fed_drafts = 0
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        ids: torch.Tensor,
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        """Run the draft autoregressively for k tokens after ``ids``.
+
+        Returns:
+            k tokens; with sampling, ``probs [k, V]`` is the processed draft distribution each was
+            drawn from.
+        """
+        if self._cache is None:
+            raise RuntimeError("DraftLM.propose called before start()")
+        cached = self._cache.get_seq_length()
+        if cached > self._valid:
+            self._cache.crop(self._valid - cached)  # drop rejected draft tokens
+        feed = ids[:, self._valid :]
+        tokens, probs = [], []
+        for i in range(k):
+            out = self.model(input_ids=feed, cache=self._cache, use_cache=True, logits_to_keep=1)
+            tok, q = choose(out.logits[0, -1], sampling, generator)
+            tokens.append(tok)
+            probs.append(q)
+            if i + 1 < k:
+                feed = tok.view(1, 1)
+        self._context = ids.shape[1]
+        self._fed_drafts = k - 1  # the last draft token was never fed
+        self._valid = self._context  # until accept() says how many drafts to keep
+        return Proposal(
+            tokens=torch.stack(tokens),
+            probs=None if sampling.greedy else torch.stack(probs),
+        )
+
+    def accept(self, num_accepted: int, features: Features | None) -> None:
+        """Keep the accepted draft tokens' cache entries; the rest is cropped at the next step."""
+        self._valid = self._context + min(num_accepted, self._fed_drafts)
+
+
+def layer_pruned_copy(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
+    """A smaller LM made from a subset of the target's decoder layers.
+
+    The copy shares nothing with the original (deep copy): embeddings, the chosen layers in order,
+    the final norm and the lm_head. It is the cheapest draft initialisation that already speaks
+    the target's vocabulary (issue: distillation recipe).
+
+    Args:
+        model: a decoder-only HF causal LM with ``model.model.layers``.
+        layers: indices of the layers to keep, e.g. ``[0, 10, 20, 29]``.
+
+    Returns:
+        A new model of the same class with ``num_hidden_layers = len(layers)``.
+    """
+    n_layers = model.config.num_hidden_layers
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if not layers or bad:
+        raise ValueError(
+            f"layers must be a non-empty list of indices in [0, {n_layers}); got {layers}"
+        )
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [model.config.layer_types[i] for i in layers]
+    draft = type(model)(config)
+    state = model.state_dict()
+    new_state = {}
+    for name, tensor in state.items():
+        if ".layers." in name:
+            prefix, rest = name.split(".layers.", 1)
+            idx, tail = rest.split(".", 1)
+            if int(idx) not in layers:
+                continue
+            name = f"{prefix}.layers.{layers.index(int(idx))}.{tail}"
+        new_state[name] = tensor.clone()
+    missing, unexpected = draft.load_state_dict(new_state, strict=False)
+    # Tied lm_head weights do not appear in the state dict; anything else missing is a bug.
+    missing = [m for m in missing if not m.endswith("lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"pruned copy: missing {missing}, unexpected {unexpected}")
+    for i, layer in enumerate(draft.model.layers):
+        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
+            layer.self_attn.layer_idx = i
+    return draft.to(next(model.parameters()).dtype).eval()

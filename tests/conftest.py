@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random Llama-style models built in memory (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    layers: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.02,
+) -> LlamaForCausalLM:
+    """A random Llama model small enough to run thousands of forwards in a test.
+
+    ``init_std`` larger than HF's default 0.02 gives peakier next-token distributions, which keeps
+    argmax ties (which would make greedy comparisons depend on float rounding) far away.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=init_std,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+@pytest.fixture
+def target() -> LlamaForCausalLM:
+    """A tiny random target (vocab 64, 4 layers)."""
+    return tiny_llama(seed=0, init_std=0.1)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer(chat_template: str = CHATML):
+    """A byte-level BPE tokenizer with no merges (256 byte tokens + ChatML specials).
+
+    Every string is encodable, so real prompt files work with tiny models.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>", pad_token="<|pad|>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = chat_template
+    return fast
+
+
+def tiny_model_dir(path, seed: int = 0, layers: int = 4, init_std: float = 0.1):
+    """Save a tiny random Llama + byte tokenizer (with chat template) as an HF directory."""
+    tok = byte_tokenizer()
+    model = tiny_llama(vocab_size=len(tok), layers=layers, seed=seed, init_std=init_std)
+    model.config.eos_token_id = tok.eos_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_target_dir(tmp_path_factory):
+    """An HF model directory holding a tiny random target with a byte tokenizer."""
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny_target"))

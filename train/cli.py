@@ -1,0 +1,87 @@
+"""The ``draftsmith`` command: one subcommand per stage, each a thin entry to a module or recipe.
+
+Subcommands are dispatched by a plain dict of functions taking their own argv, so each keeps its
+own ``--help``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def _prepare_target(argv: list[str]) -> int:
+    from draftsmith.train.target import main_prepare_target
+
+    return main_prepare_target(argv)
+
+
+def _evaluate(argv: list[str]) -> int:
+    from draftsmith.recipes.evaluate import main
+
+    return main(argv)
+
+
+def _quickstart(argv: list[str]) -> int:
+    """The main job on the embedded default: prepare SmolLM2, evaluate n-gram drafting on it.
+
+    Later stages (train -> evaluate -> export) join here as their recipes land.
+    """
+    import argparse
+
+    from draftsmith.recipes.evaluate import main as evaluate
+    from draftsmith.train.target import main_prepare_target
+
+    parser = argparse.ArgumentParser(
+        prog="draftsmith quickstart",
+        description="Prepare the default target (SmolLM2-135M-Instruct) and evaluate n-gram "
+        "speculative decoding on the project's held-out prompts; extra flags go to evaluate.",
+    )
+    parser.add_argument("--out-dir", default="results", help="where results JSON files go")
+    args, rest = parser.parse_known_args(argv)
+    code = main_prepare_target([])
+    if code:
+        return code
+    return evaluate(["--drafter", "ngram", "--out", f"{args.out_dir}/quickstart_ngram.json", *rest])
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "prepare-target": (_prepare_target, "convert/cache a target model (default: SmolLM2-135M)"),
+    "evaluate": (
+        _evaluate,
+        "plain vs speculative decoding on a prompt set: τ, speedup, losslessness",
+    ),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: draftsmith <command> [options]", "", "commands:"]
+    lines += [f"  {name:<16} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "Run `draftsmith <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``draftsmith`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"draftsmith {version('draftsmith')}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        print(f"draftsmith: unknown command {name!r}{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return COMMANDS[name][0](rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Acceptance and speed metrics of speculative decoding runs, and how they are shown.
+
+Definitions (docs/metrics.md explains the choices):
+
+* ``acceptance_length`` τ = tokens emitted / target forward passes (prefill included, bonus token
+  included). Plain decoding has τ = 1. This is the figure that bounds the wall-clock speedup.
+* ``acceptance_rate_per_position[i]`` α_i = draft tokens accepted at draft position i / number of
+  verification steps in which the drafter proposed anything. This is vLLM's definition
+  (``vllm:spec_decode_num_accepted_tokens_per_pos`` / ``num_drafts``), so the figures compare.
+* ``acceptance_length_per_draft`` = 1 + Σ α_i: mean tokens per *drafted* step, vLLM's "mean
+  acceptance length". It equals τ when the drafter proposes at every step (draft LMs, EAGLE);
+  it is larger than τ for n-gram lookup, which skips steps with no match.
+* ``speedup`` = tokens/s of the speculative loop / tokens/s of plain decoding, same target, prompts,
+  settings and process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from draftsmith.train.speculative import GenerationOutput
+
+
+def summarize(
+    runs: Sequence[GenerationOutput], k: int, baseline: Sequence[GenerationOutput] | None = None
+) -> dict[str, Any]:
+    """Aggregate per-prompt outputs into the run's metrics.
+
+    Args:
+        runs: speculative outputs, one per prompt.
+        k: draft tokens per step.
+        baseline: plain-decoding outputs for the same prompts (same order), if measured.
+
+    Returns:
+        A JSON-safe dict of metrics (see the module docstring for definitions).
+    """
+    tokens = sum(len(r.tokens) for r in runs)
+    forwards = sum(r.target_forwards for r in runs)
+    wall = sum(r.wall_time for r in runs)
+    drafted = sum(r.draft_steps for r in runs)
+    per_pos = [sum(r.accepted_per_position[i] for r in runs) for i in range(k)]
+    alpha = [c / drafted if drafted else 0.0 for c in per_pos]
+    out: dict[str, Any] = {
+        "num_prompts": len(runs),
+        "new_tokens": tokens,
+        "target_forwards": forwards,
+        "acceptance_length": tokens / forwards if forwards else 0.0,
+        "acceptance_length_per_draft": 1.0 + sum(alpha),
+        "acceptance_rate_per_position": alpha,
+        "draft_steps": drafted,
+        "proposed_tokens": sum(r.proposed for r in runs),
+        "accepted_tokens": sum(r.accepted for r in runs),
+        "tokens_per_second": tokens / wall if wall else 0.0,
+        "wall_time_s": wall,
+        "draft_time_fraction": sum(r.draft_time for r in runs) / wall if wall else 0.0,
+    }
+    if baseline is not None:
+        base_tokens = sum(len(r.tokens) for r in baseline)
+        base_wall = sum(r.wall_time for r in baseline)
+        base_tps = base_tokens / base_wall if base_wall else 0.0
+        out["baseline_tokens_per_second"] = base_tps
+        out["baseline_wall_time_s"] = base_wall
+        out["speedup"] = out["tokens_per_second"] / base_tps if base_tps else 0.0
+    return out
+
+
+def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative decoding"):
+    """A rich Table with one row per method.
+
+    Args:
+        rows: result dicts as written by the evaluation (``method``, ``k`` and :func:`summarize`'s
+            keys; baseline keys optional).
+        title: table title.
+    """
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in (
+        "method",
+        "k",
+        "prompts",
+        "tokens",
+        "τ",
+        "α per position",
+        "tok/s",
+        "baseline tok/s",
+        "speedup",
+        "draft time",
+        "identical",
+    ):
+        table.add_column(col, justify="left" if col in ("method", "α per position") else "right")
+    for r in rows:
+        identical = r.get("identical_to_target")
+        table.add_row(
+            str(r["method"]),
+            str(r["k"]),
+            str(r["num_prompts"]),
+            str(r["new_tokens"]),
+            f"{r['acceptance_length']:.2f}",
+            " ".join(f"{a:.2f}" for a in r["acceptance_rate_per_position"]),
+            f"{r['tokens_per_second']:.1f}",
+            f"{r['baseline_tokens_per_second']:.1f}" if "baseline_tokens_per_second" in r else "-",
+            f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+            f"{100 * r['draft_time_fraction']:.0f}%",
+            "-" if identical is None else ("yes" if identical else "NO"),
+        )
+    return table

@@ -1,0 +1,71 @@
+"""What produced a result: the command, package versions and machine, attached to every JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+_PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "datasets", "peft")
+
+
+def run_info() -> dict[str, Any]:
+    """Command line, versions, git commit and machine facts for a results file."""
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = platform.python_version()
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import torch
+
+    return {
+        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "versions": versions,
+        "git_commit": commit,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+        },
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON to a temp file beside ``path`` and rename it into place (no half files)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

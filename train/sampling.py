@@ -1,0 +1,105 @@
+"""Turning target/draft logits into the distributions that speculative sampling compares.
+
+Speculative sampling is lossless only if the target distribution ``p`` and the draft distribution
+``q`` are the *processed* ones -- after temperature, top-k and top-p -- because those are the
+distributions plain decoding samples from (Leviathan et al. 2023, §2.3; Chen et al. 2023, Alg. 2).
+Both sides therefore go through :func:`logits_to_probs` with the same :class:`SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        top_k: keep the k most likely tokens before sampling (0 = off).
+        top_p: nucleus sampling: keep the smallest set of tokens whose mass reaches top_p (1 = off).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed sampling distribution for each row of logits.
+
+    Args:
+        logits: ``[..., V]`` raw logits.
+        params: sampling parameters (must not be greedy).
+
+    Returns:
+        ``[..., V]`` float32 probabilities; tokens removed by top-k/top-p have probability 0.
+    """
+    if params.greedy:
+        raise ValueError("logits_to_probs is for sampling; greedy decoding uses argmax")
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        # Mass of the tokens strictly before each one: a token is kept while that mass is < top_p,
+        # so the most likely token is always kept (same rule as HF's TopPLogitsWarper).
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        remove_sorted = mass_before >= params.top_p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        x = x.masked_fill(remove, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row.
+
+    Args:
+        probs: ``[..., V]`` probabilities (need not be normalised, must be non-negative).
+        generator: source of randomness, for reproducible runs.
+
+    Returns:
+        ``[...]`` long tensor of token ids.
+    """
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator)
+    return out.reshape(probs.shape[:-1])
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+    """Pick tokens from logits the way plain decoding would.
+
+    Args:
+        logits: ``[..., V]``.
+        params: sampling parameters.
+        generator: randomness for sampling.
+
+    Returns:
+        ``(tokens [...], probs [..., V] or None)`` -- probs is None for greedy.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1), None
+    probs = logits_to_probs(logits, params)
+    return sample(probs, generator), probs

@@ -1,0 +1,367 @@
+"""The speculative verification loop: draft, verify in one target forward, accept, repeat.
+
+One loop serves every drafter (see :mod:`draftsmith.heads.base` for the contract). Batch size 1,
+optimised for it: the target's KV cache persists across steps and is cropped on rejection (no
+re-prefill), only the rows of logits that are needed are computed, and hidden states are requested
+from the target only when the drafter declared layers it needs.
+
+Acceptance rules:
+
+* greedy (temperature 0): accept draft tokens while they equal the target's argmax; then emit the
+  target's own token (the correction at the first mismatch, or the bonus token after k accepts).
+  The output is the target's greedy output token for token.
+* sampling: accept draft token x with probability min(1, p(x) / q(x)); on rejection emit a token
+  drawn from norm(max(0, p - q)); after k accepts draw the bonus token from p (Leviathan et al.
+  2023, Alg. 1 / Thm. 1; Chen et al. 2023, Alg. 2). p and q are the processed distributions
+  (temperature, top-k, top-p), so the output follows the target's own sampling distribution.
+
+Tree drafts (``Proposal.parents`` set) are verified in one forward with a 4D ancestor attention
+mask and depth-based position ids (SpecInfer §4; Medusa §2.1.2; EAGLE-2 §4); the longest path
+that matches the target's greedy choices is accepted and the KV cache keeps only that path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from draftsmith.heads.base import Drafter, Features, Proposal
+from draftsmith.train.sampling import SamplingParams, choose, logits_to_probs, sample
+
+
+@dataclass
+class GenerationOutput:
+    """Tokens and counters of one generated sequence.
+
+    Attributes:
+        tokens: generated token ids (prompt excluded), at most ``max_new_tokens``.
+        target_forwards: target forward passes, prefill included (plain decoding: one per token).
+        draft_steps: verification steps in which the drafter proposed at least one token.
+        proposed: draft tokens proposed in total.
+        accepted: draft tokens accepted in total.
+        accepted_per_position: ``[k]`` accepted tokens at draft position i (depth i for trees).
+        stop_reason: "eos" or "length".
+        wall_time: seconds for the whole sequence (prefill included).
+        draft_time: seconds spent inside the drafter.
+        prefill_time: seconds of the prompt forward (and the drafter's start).
+    """
+
+    tokens: list[int]
+    target_forwards: int = 0
+    draft_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    stop_reason: str = "length"
+    wall_time: float = 0.0
+    draft_time: float = 0.0
+    prefill_time: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens emitted per target forward (bonus token included; plain decoding = 1)."""
+        return len(self.tokens) / max(self.target_forwards, 1)
+
+
+def _as_prompt(prompt_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2:
+        raise ValueError(f"prompt_ids must be [T] or [1, T], got shape {tuple(ids.shape)}")
+    if ids.shape[0] != 1:
+        raise ValueError(
+            f"batch size {ids.shape[0]} is not supported: the verification loop runs one sequence "
+            "at a time (batch size 1); loop over prompts instead"
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("prompt_ids is empty: the loop needs at least one prompt token")
+    return ids
+
+
+def _features(out, layers: tuple[int, ...], index: torch.Tensor | slice) -> Features | None:
+    """Pick the requested layers' hidden states at the given positions ([1, n, H] each)."""
+    if not layers:
+        return None
+    return {layer: out.hidden_states[layer][:, index] for layer in layers}
+
+
+def _keep_cache(cache: DynamicCache, keep: int, extra: torch.Tensor | None = None) -> None:
+    """Roll the KV cache back to its first ``keep`` positions, plus ``extra`` absolute positions.
+
+    ``extra`` (sorted, all >= keep) is used for tree paths, whose kept nodes are not contiguous.
+    """
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", True) or layer.keys is None:
+            continue
+        if extra is None or extra.numel() == 0:
+            layer.keys = layer.keys[..., :keep, :]
+            layer.values = layer.values[..., :keep, :]
+        else:
+            idx = torch.cat([torch.arange(keep, device=extra.device), extra])
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+
+def _accept_chain(
+    logits: torch.Tensor,
+    proposal: Proposal,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Decide how many chain tokens to accept and which token the target emits after them.
+
+    Args:
+        logits: ``[n + 1, V]`` target logits at the last accepted token and at each draft token.
+        proposal: the n draft tokens (and q).
+        sampling: sampling parameters.
+        generator: randomness.
+
+    Returns:
+        ``(num_accepted, next_token)``.
+    """
+    draft = proposal.tokens
+    n = draft.shape[0]
+    if sampling.greedy:
+        choice = logits.argmax(dim=-1)  # [n + 1]
+        if n == 0:
+            return 0, int(choice[0])
+        # Leading run of matches: cumprod turns the first mismatch and all after it into 0.
+        accepted = int((choice[:n] == draft).to(torch.int32).cumprod(0).sum())
+        return accepted, int(choice[accepted])
+
+    p = logits_to_probs(logits, sampling)  # [n + 1, V]
+    q = proposal.probs
+    if n:
+        u = torch.rand(n, generator=generator, device=p.device)
+        rows = torch.arange(n, device=p.device)
+        p_x = p[rows, draft]
+        q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
+        # Accept when u < p(x)/q(x), written as u * q(x) < p(x) to avoid dividing.
+        ok = (u * q_x < p_x).to(torch.int32).cumprod(0)
+        accepted = int(ok.sum())
+        if accepted < n:
+            i = accepted
+            if q is not None:
+                residual = (p[i] - q[i]).clamp_min(0.0)
+            else:
+                residual = p[i].clone()
+                residual[draft[i]] = 0.0
+            if float(residual.sum()) <= 0.0:
+                # Only possible when p == q up to rounding, where rejection has probability 0.
+                residual = p[i]
+            return accepted, int(sample(residual, generator))
+    else:
+        accepted = 0
+    return accepted, int(sample(p[n], generator))
+
+
+def _tree_inputs(
+    parents: torch.Tensor, past: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ancestor mask and position ids for verifying a tree in one forward.
+
+    Row/column 0 is the root (the last accepted token); node j of the proposal is row j + 1.
+
+    Returns:
+        ``(mask [1, 1, n + 1, past + n + 1] bool, position_ids [1, n + 1], depth [n + 1])``.
+    """
+    n = parents.shape[0]
+    par = parents.tolist()
+    anc = torch.eye(n + 1, dtype=torch.bool)
+    depth = [0] * (n + 1)
+    for j, parent in enumerate(par):
+        if not -1 <= parent < j:
+            raise ValueError(
+                f"tree proposal: node {j} has parent {parent}; parents must precede children "
+                "(-1 = the root)"
+            )
+        anc[j + 1] |= anc[parent + 1]
+        depth[j + 1] = depth[parent + 1] + 1
+    mask = torch.cat([torch.ones(n + 1, past, dtype=torch.bool), anc], dim=1)
+    depth_t = torch.tensor(depth, dtype=torch.long)
+    return mask[None, None].to(device), (depth_t + past)[None].to(device), depth_t
+
+
+def _accept_tree_greedy(
+    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
+) -> tuple[list[int], int]:
+    """Longest root-to-node path whose tokens equal the target's argmax at each parent.
+
+    Returns:
+        ``(path, next_token)`` where path lists accepted node rows (1-based, root excluded).
+    """
+    choice = logits.argmax(dim=-1).tolist()
+    toks = tokens.tolist()
+    children: dict[int, list[int]] = {}
+    for j, parent in enumerate(parents.tolist()):
+        children.setdefault(parent + 1, []).append(j + 1)
+    path: list[int] = []
+    row = 0
+    while True:
+        want = choice[row]
+        nxt = next((c for c in children.get(row, ()) if toks[c - 1] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        row = nxt
+
+
+@torch.inference_mode()
+def generate(
+    target: PreTrainedModel,
+    prompt_ids: torch.Tensor | list[int],
+    drafter: Drafter | None = None,
+    *,
+    k: int = 5,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams | None = None,
+    eos_token_id: int | Collection[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationOutput:
+    """Generate with speculative decoding (or plain decoding when ``drafter`` is None).
+
+    Args:
+        target: HF causal LM (eval mode); its distribution defines the output.
+        prompt_ids: ``[T]`` or ``[1, T]`` prompt tokens. Batch > 1 is rejected.
+        drafter: proposes tokens; None runs plain decoding through the same code path.
+        k: most draft tokens per step (chain length / tree depth), >= 1.
+        max_new_tokens: generation budget, >= 1; stops exactly where plain decoding would.
+        sampling: greedy by default.
+        eos_token_id: token(s) that end generation (kept in the output, as HF does).
+        generator: randomness for sampling (seed it for reproducible runs).
+
+    Returns:
+        The generated tokens and counters.
+    """
+    sampling = sampling or SamplingParams()
+    if k < 1:
+        raise ValueError(f"k must be >= 1 (draft tokens per step), got {k}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(target.parameters()).device
+    prompt = _as_prompt(prompt_ids, device)
+    if eos_token_id is None:
+        eos: set[int] = set()
+    elif isinstance(eos_token_id, int):
+        eos = {eos_token_id}
+    else:
+        eos = {int(e) for e in eos_token_id}
+    layers = tuple(drafter.feature_layers) if drafter is not None else ()
+    want_hidden = bool(layers)
+
+    t_start = time.perf_counter()
+    draft_time = 0.0
+    result = GenerationOutput(tokens=[], accepted_per_position=[0] * k)
+
+    # Prefill: the prompt's logits at its last position give the first token, exactly as plain
+    # decoding; the drafter gets the prompt's hidden states from this same forward.
+    cache = DynamicCache(config=target.config)
+    out = target(
+        input_ids=prompt,
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+        output_hidden_states=want_hidden,
+    )
+    result.target_forwards = 1
+    first, _ = choose(out.logits[0, -1], sampling, generator)
+    emitted = [int(first)]
+    if drafter is not None:
+        t0 = time.perf_counter()
+        drafter.start(prompt, _features(out, layers, slice(None)))
+        draft_time += time.perf_counter() - t0
+    result.prefill_time = time.perf_counter() - t_start
+
+    # ids holds prompt + emitted tokens in a preallocated buffer (no re-allocation per step).
+    buf = torch.empty(1, prompt.shape[1] + max_new_tokens, dtype=torch.long, device=device)
+    buf[:, : prompt.shape[1]] = prompt
+    length = prompt.shape[1]
+    new_tokens = result.tokens
+    empty = Proposal(tokens=torch.empty(0, dtype=torch.long, device=device))
+
+    while True:
+        # Stop checks on what was just emitted: truncate after the first EOS and at the budget,
+        # so the output ends exactly where plain decoding's would.
+        budget = max_new_tokens - len(new_tokens)
+        emitted = emitted[:budget]
+        for i, tok in enumerate(emitted):
+            if tok in eos:
+                emitted = emitted[: i + 1]
+                result.stop_reason = "eos"
+                break
+        new_tokens.extend(emitted)
+        buf[0, length : length + len(emitted)] = torch.tensor(emitted, device=device)
+        length += len(emitted)
+        if result.stop_reason == "eos" or len(new_tokens) >= max_new_tokens:
+            break
+        ids = buf[:, :length]
+        past = length - 1  # the target has seen every token but the last
+
+        # Draft. Never propose more than the budget can use: a step emits accepted + 1 tokens.
+        k_step = min(k, max_new_tokens - len(new_tokens) - 1)
+        if drafter is not None and k_step > 0:
+            t0 = time.perf_counter()
+            proposal = drafter.propose(ids, k_step, sampling, generator)
+            draft_time += time.perf_counter() - t0
+        else:
+            proposal = empty
+        n = len(proposal)
+        tree = proposal.parents is not None and n > 0
+
+        # Verify all proposed tokens in one target forward.
+        inputs = torch.cat([ids[:, -1], proposal.tokens.to(device)])[None]
+        if tree:
+            if not sampling.greedy:
+                raise ValueError(
+                    "tree proposals are verified greedily only (temperature 0); with sampling, "
+                    "use a chain drafter"
+                )
+            mask, pos, _ = _tree_inputs(proposal.parents, past, device)
+            out = target(
+                input_ids=inputs,
+                cache=cache,
+                use_cache=True,
+                attention_mask=mask,
+                position_ids=pos,
+                output_hidden_states=want_hidden,
+            )
+        else:
+            out = target(
+                input_ids=inputs, cache=cache, use_cache=True, output_hidden_states=want_hidden
+            )
+        result.target_forwards += 1
+        logits = out.logits[0]
+
+        if tree:
+            path, nxt = _accept_tree_greedy(logits, proposal.tokens, proposal.parents)
+            accepted = len(path)
+            kept_rows = torch.tensor([0, *path], device=device)
+            emitted = [int(t) for t in proposal.tokens[kept_rows[1:] - 1].tolist()] + [nxt]
+            _keep_cache(cache, past + 1, past + kept_rows[1:])
+            kept: torch.Tensor | slice = kept_rows
+        else:
+            accepted, nxt = _accept_chain(logits, proposal, sampling, generator)
+            emitted = [*proposal.tokens[:accepted].tolist(), nxt]
+            if accepted < n:
+                cache.crop(accepted - n)
+            kept = slice(0, accepted + 1)
+
+        if n:
+            result.draft_steps += 1
+            result.proposed += n
+            result.accepted += accepted
+            for i in range(min(accepted, k)):
+                result.accepted_per_position[i] += 1
+        if drafter is not None:
+            t0 = time.perf_counter()
+            drafter.accept(accepted, _features(out, layers, kept))
+            draft_time += time.perf_counter() - t0
+
+    result.wall_time = time.perf_counter() - t_start
+    result.draft_time = draft_time
+    return result
