@@ -119,3 +119,35 @@ def test_bad_inputs_fail_with_named_file_or_path(tmp_path, tiny_target_dir, caps
     missing = tmp_path / "no_such_model"
     assert evaluate(["--target", str(missing), "--limit", "1"]) == 2
     assert "no_such_model" in capsys.readouterr().err
+
+
+def test_wandb_offline_logging(tmp_path, tiny_target_dir, monkeypatch):
+    """--report-to wandb works with no network: the run is written offline to WANDB_DIR."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--max-new-tokens",
+        6,
+        "--limit",
+        2,
+        "--report-to",
+        "wandb",
+    )
+    assert code == 0
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+def test_cli_help_lists_commands(capsys):
+    assert cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in ("quickstart", "prepare-target", "data", "evaluate"):
+        assert name in out
+    assert cli(["data", "--help"]) == 0
+    assert "distill" in capsys.readouterr().out
+    assert cli(["data", "nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err

@@ -387,3 +387,49 @@ def test_statistical_check_has_power():
         counts[a, b] += 1
     stat, df = chi2_stat(counts, exact)
     assert stat > chi2_quantile(df, Z)
+
+
+class FeatureSpy(OracleDrafter):
+    """Declares layers; records the features the loop hands over at start and after each step."""
+
+    def __init__(self, *args, layers=(0, 2, 4), tree=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.feature_layers = layers
+        self.tree = tree
+        self.received: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+
+    def start(self, prompt_ids, features):
+        super().start(prompt_ids, features)
+        for layer, h in features.items():
+            self.received[layer].append(h)
+
+    def propose(self, ids, k, sampling, generator):
+        if self.tree:
+            return OracleTreeDrafter.propose(self, ids, k, sampling, generator)
+        # right for the first half of k, then wrong: exercises partial acceptance
+        guess = super().propose(ids, k, sampling, generator).tokens
+        cut = max(1, len(guess) // 2)
+        guess[cut:] = (guess[cut:] + 1) % self.vocab
+        return Proposal(tokens=guess)
+
+    def accept(self, num_accepted, features):
+        for layer, h in features.items():
+            assert h.shape[1] == num_accepted + 1
+            self.received[layer].append(h)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_drafter_receives_target_features_of_accepted_positions(target, tree):
+    """Features handed to the drafter equal a full forward's hidden states at those positions."""
+    prompt = _prompt(10)
+    ref = reference_greedy(target, prompt, 20)
+    spy = FeatureSpy(len(prompt), ref, tree=tree)
+    out = generate(target, prompt, spy, k=4, max_new_tokens=20)
+    assert out.tokens == ref
+    with torch.no_grad():
+        full = target(torch.tensor([prompt + ref]), output_hidden_states=True).hidden_states
+    for layer in spy.feature_layers:
+        got = torch.cat(spy.received[layer], dim=1)[0]  # positions 0 .. covered-1, in order
+        covered = got.shape[0]
+        assert covered >= len(prompt) + out.accepted  # prompt + every kept step
+        torch.testing.assert_close(got, full[layer][0, :covered], atol=1e-5, rtol=1e-4)

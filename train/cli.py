@@ -22,6 +22,41 @@ def _evaluate(argv: list[str]) -> int:
     return main(argv)
 
 
+DATA_COMMANDS = {
+    "distill": (
+        "draftsmith.train.self_distill",
+        "main_distill",
+        "regenerate the assistant turns of a dataset with the target (self-distillation)",
+    ),
+    "cache": (
+        "draftsmith.train.hidden_states",
+        "main_cache",
+        "store the target's hidden states of chosen layers for offline training",
+    ),
+    "vocab": (
+        "draftsmith.train.vocab",
+        "main_vocab",
+        "token frequencies over supervised tokens; EAGLE-3 draft vocabulary (d2t/t2d)",
+    ),
+}
+
+
+def _data(argv: list[str]) -> int:
+    """`draftsmith data <distill|cache|vocab> ...`: the data stages, each with its own --help."""
+    import importlib
+
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in DATA_COMMANDS:
+        lines = ["usage: draftsmith data <command> [options]", "", "commands:"]
+        lines += [f"  {name:<10} {text}" for name, (_, _, text) in DATA_COMMANDS.items()]
+        stream = sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"draftsmith data: unknown command {argv[0]!r}", file=stream)
+        print("\n".join(lines), file=stream)
+        return 0 if stream is sys.stdout else 2
+    module, func, _ = DATA_COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), func)(argv[1:])
+
+
 def _quickstart(argv: list[str]) -> int:
     """The main job on the embedded default: prepare SmolLM2, evaluate n-gram drafting on it.
 
@@ -46,7 +81,9 @@ def _quickstart(argv: list[str]) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "quickstart": (_quickstart, "the main job end to end on the default target (start here)"),
     "prepare-target": (_prepare_target, "convert/cache a target model (default: SmolLM2-135M)"),
+    "data": (_data, "data stages: distill (self-distillation), cache (hidden states), vocab"),
     "evaluate": (
         _evaluate,
         "plain vs speculative decoding on a prompt set: τ, speedup, losslessness",
