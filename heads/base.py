@@ -96,6 +96,10 @@ class Drafter(Protocol):
     def accept(self, num_accepted: int, features: Features | None) -> None:
         """Learn the outcome of the last verification.
 
+        Called after every target forward, also after steps where ``propose`` was not called
+        (the budget or an adaptive draft length allowed no draft); ``num_accepted`` is then 0 and
+        ``features`` cover just the one position the step verified.
+
         Args:
             num_accepted: how many proposed tokens the target accepted (for a tree: the length
                 of the accepted path). The token the target emitted after them arrives as the

@@ -49,6 +49,7 @@ class DraftLM(nn.Module):
         self._valid = 0  # cached positions that belong to the accepted sequence
         self._context = 0  # length of ids at the last propose
         self._fed_drafts = 0  # draft tokens fed to the model during the last propose
+        self._pending = False
 
     @torch.inference_mode()
     def start(self, prompt_ids: torch.Tensor, features: Features | None) -> None:
@@ -57,6 +58,7 @@ class DraftLM(nn.Module):
         self.model(input_ids=prompt_ids, cache=self._cache, use_cache=True, logits_to_keep=1)
         self._valid = prompt_ids.shape[1]
         self._fed_drafts = 0
+        self._pending = False  # a proposal awaits its verdict
 
     @torch.inference_mode()
     def propose(
@@ -89,14 +91,21 @@ class DraftLM(nn.Module):
         self._context = ids.shape[1]
         self._fed_drafts = k - 1  # the last draft token was never fed
         self._valid = self._context  # until accept() says how many drafts to keep
+        self._pending = True
         return Proposal(
             tokens=torch.stack(tokens),
             probs=None if sampling.greedy else torch.stack(probs),
         )
 
     def accept(self, num_accepted: int, features: Features | None) -> None:
-        """Keep the accepted draft tokens' cache entries; the rest is cropped at the next step."""
-        self._valid = self._context + min(num_accepted, self._fed_drafts)
+        """Keep the accepted draft tokens' cache entries; the rest is cropped at the next step.
+
+        Steps without a proposal (the loop chose a draft length of 0) change nothing: every
+        cached position is still part of the accepted sequence.
+        """
+        if self._pending:
+            self._valid = self._context + min(num_accepted, self._fed_drafts)
+            self._pending = False
 
 
 def layer_pruned_copy(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel:

@@ -26,6 +26,7 @@ import torch
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, parse_config
+from draftsmith.train.draft_length import AdaptiveDraftLength
 from draftsmith.train.metrics import results_table, summarize
 from draftsmith.train.prompts import PromptFileError, load_prompts, render_prompt
 from draftsmith.train.runinfo import run_info, write_json_atomic
@@ -70,6 +71,9 @@ class EvalConfig:
     )
     draft_layers: list[int] | None = cfg_field(
         None, help="draft-lm: build an untrained layer-pruned copy of the target with these layers"
+    )
+    adaptive_k: bool = cfg_field(
+        False, help="pick each step's draft length (<= k) from measured acceptance and costs"
     )
     baseline: bool = cfg_field(True, help="also run plain decoding (needed for the speedup)")
     threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
@@ -151,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     eos = {tokenizer.eos_token_id, *_as_list(target.generation_config.eos_token_id)} - {None}
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
+    # One policy for the whole run: what it learns about the drafter carries across prompts.
+    policy = AdaptiveDraftLength(cfg.k) if cfg.adaptive_k and drafter is not None else None
 
     # --- loop: baseline then speculative, prompt by prompt ------------------------------------
     # One short untimed run first: the first forwards of a process pay one-off allocation costs.
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = base
             if drafter is not None:
                 gen = torch.Generator().manual_seed(cfg.seed)
-                spec = generate(target, ids, drafter, **common, generator=gen)
+                spec = generate(target, ids, drafter, **common, generator=gen, draft_length=policy)
             spec_runs.append(spec)
             entry = {
                 "id": record.id,
@@ -198,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # --- results ------------------------------------------------------------------------------
     result = {"method": method_name(cfg), "k": cfg.k, "temperature": cfg.temperature}
+    result["adaptive_k"] = cfg.adaptive_k
+    if policy is not None:
+        result["mean_draft_length"] = sum(policy.chosen) / max(len(policy.chosen), 1)
     result.update(summarize(spec_runs, cfg.k, base_runs if cfg.baseline else None))
     if cfg.baseline and sampling.greedy:
         result["identical_to_target"] = all(p["identical_to_target"] for p in per_prompt)

@@ -28,6 +28,7 @@ import torch
 
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
+from draftsmith.train.draft_length import AdaptiveDraftLength
 from draftsmith.train.metrics import summarize
 from draftsmith.train.prompts import load_prompts, render_prompt
 from draftsmith.train.runinfo import run_info, write_json_atomic
@@ -35,6 +36,7 @@ from draftsmith.train.speculative import generate
 from draftsmith.train.target import load_target
 
 METHODS = ["hf-greedy", "plain", "hf-prompt-lookup", "ngram", "hf-assisted", "draft-lm"]
+EXTRA_METHODS = ["ngram-adaptive", "draft-lm-adaptive"]  # cost-aware draft length
 
 
 class ForwardCounter:
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="layers of the pruned draft (default: 0, N/3, 2N/3, N-1)",
     )
-    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="results JSON")
     args = ap.parse_args(argv)
@@ -119,9 +121,21 @@ def main(argv: list[str] | None = None) -> int:
         "draft-lm": DraftLM(draft_model, target_vocab_size=vocab),
     }
 
+    drafters["ngram-adaptive"] = drafters["ngram"]
+    drafters["draft-lm-adaptive"] = drafters["draft-lm"]
+    policies = {m: AdaptiveDraftLength(k) for m in EXTRA_METHODS}
+
     def ours(name: str, ids: list[int]):
         counter.calls = 0
-        out = generate(target, ids, drafters[name], k=k, max_new_tokens=max_new, eos_token_id=eos)
+        out = generate(
+            target,
+            ids,
+            drafters[name],
+            k=k,
+            max_new_tokens=max_new,
+            eos_token_id=eos,
+            draft_length=policies.get(name),
+        )
         assert counter.calls == out.target_forwards
         return out
 
@@ -178,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             res["acceptance_rate_per_position"] = s["acceptance_rate_per_position"]
             res["acceptance_length_per_draft"] = s["acceptance_length_per_draft"]
             res["draft_time_fraction"] = s["draft_time_fraction"]
+        if m in policies:
+            res["mean_draft_length"] = sum(policies[m].chosen) / max(len(policies[m].chosen), 1)
         results[m] = res
     for res in results.values():
         res[f"speedup_vs_{base_name}"] = (

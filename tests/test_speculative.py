@@ -433,3 +433,16 @@ def test_drafter_receives_target_features_of_accepted_positions(target, tree):
         covered = got.shape[0]
         assert covered >= len(prompt) + out.accepted  # prompt + every kept step
         torch.testing.assert_close(got, full[layer][0, :covered], atol=1e-5, rtol=1e-4)
+
+
+def test_draft_lm_accept_without_propose_on_a_new_sequence(target):
+    """A step with no proposal (draft length 0) right after start must not corrupt the cache."""
+    small = tiny_llama(seed=8, layers=2, init_std=0.1)
+    drafter = DraftLM(small, target_vocab_size=64)
+    long_prompt, short_prompt = _prompt(11, length=30), _prompt(12, length=8)
+    generate(target, long_prompt, drafter, k=4, max_new_tokens=10)
+    drafter.start(torch.tensor([short_prompt]), None)
+    drafter.accept(0, None)  # plain step: nothing was proposed
+    ids = torch.tensor([[*short_prompt, 5]])
+    proposal = drafter.propose(ids, 1, SamplingParams(), None)
+    assert int(proposal.tokens[0]) == int(small(ids).logits[0, -1].argmax())

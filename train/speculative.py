@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.heads.base import Drafter, Features, Proposal
+from draftsmith.train.draft_length import AdaptiveDraftLength
 from draftsmith.train.sampling import SamplingParams, choose, logits_to_probs, sample
 
 
@@ -222,6 +223,7 @@ def generate(
     sampling: SamplingParams | None = None,
     eos_token_id: int | Collection[int] | None = None,
     generator: torch.Generator | None = None,
+    draft_length: AdaptiveDraftLength | None = None,
 ) -> GenerationOutput:
     """Generate with speculative decoding (or plain decoding when ``drafter`` is None).
 
@@ -234,6 +236,8 @@ def generate(
         sampling: greedy by default.
         eos_token_id: token(s) that end generation (kept in the output, as HF does).
         generator: randomness for sampling (seed it for reproducible runs).
+        draft_length: if given, picks each step's draft length (<= k) from measured acceptance
+            and costs (see :mod:`draftsmith.train.draft_length`); None drafts k every step.
 
     Returns:
         The generated tokens and counters.
@@ -304,14 +308,24 @@ def generate(
 
         # Draft. Never propose more than the budget can use: a step emits accepted + 1 tokens.
         k_step = min(k, max_new_tokens - len(new_tokens) - 1)
+        if draft_length is not None and drafter is not None:
+            k_step = draft_length.choose(k_step)
+        step_draft_time = 0.0
         if drafter is not None and k_step > 0:
             t0 = time.perf_counter()
             proposal = drafter.propose(ids, k_step, sampling, generator)
-            draft_time += time.perf_counter() - t0
+            step_draft_time = time.perf_counter() - t0
+            draft_time += step_draft_time
+            if proposal.parents is None and len(proposal) > k_step:
+                proposal = Proposal(  # a chain drafter that ignored k: keep what fits
+                    proposal.tokens[:k_step],
+                    None if proposal.probs is None else proposal.probs[:k_step],
+                )
         else:
             proposal = empty
         n = len(proposal)
         tree = proposal.parents is not None and n > 0
+        t_verify = time.perf_counter()
 
         # Verify all proposed tokens in one target forward.
         inputs = torch.cat([ids[:, -1], proposal.tokens.to(device)])[None]
@@ -351,6 +365,8 @@ def generate(
                 cache.crop(accepted - n)
             kept = slice(0, accepted + 1)
 
+        if draft_length is not None and drafter is not None and not tree:
+            draft_length.update(n, accepted, time.perf_counter() - t_verify, step_draft_time)
         if n:
             result.draft_steps += 1
             result.proposed += n

@@ -1,0 +1,80 @@
+"""Cost-aware draft length: the choice follows measured acceptance and costs; output unchanged."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from draftsmith.heads.ngram import NGramDrafter
+from draftsmith.train.draft_length import AdaptiveDraftLength
+from draftsmith.train.speculative import generate
+from tests.test_speculative import OracleDrafter, RandomDrafter, _prompt, reference_greedy
+
+# Costs shaped like SmolLM2 on 2 CPU cores: 55 ms for 1 token, ~+9 ms per extra token.
+COST = {m: 0.055 + 0.009 * (m - 1) for m in range(1, 10)}
+
+
+def _feed(policy, steps, accept_fn, draft_s_per_token=0.0):
+    for _ in range(steps):
+        n = policy.choose(policy.k)
+        a = accept_fn(n)
+        policy.update(n, a, COST[n + 1], n * draft_s_per_token)
+
+
+def test_good_drafter_gets_full_length():
+    policy = AdaptiveDraftLength(k=5)
+    _feed(policy, 50, lambda n: n)  # every draft token accepted
+    assert policy.choose(5) == 5
+    assert policy.choose(3) == 3  # budget limit respected
+
+
+def test_useless_drafter_falls_back_to_plain_steps_but_keeps_exploring():
+    policy = AdaptiveDraftLength(k=5, explore_every=8)
+    _feed(policy, 80, lambda n: 0)  # nothing ever accepted
+    recent = policy.chosen[-40:]
+    assert recent.count(0) >= 30  # mostly plain decoding
+    assert any(n > 0 for n in recent)  # but it still tries now and then
+
+
+def _accept_each_with(p: float, seed: int = 0):
+    rng = random.Random(seed)
+
+    def accept(n: int) -> int:
+        a = 0
+        while a < n and rng.random() < p:
+            a += 1
+        return a
+
+    return accept
+
+
+def test_expensive_drafter_gets_shorter_drafts():
+    """Same acceptance (0.7 per position), a costly drafter: fewer tokens are worth drafting."""
+    cheap, costly = AdaptiveDraftLength(k=6), AdaptiveDraftLength(k=6)
+    _feed(cheap, 200, _accept_each_with(0.7), draft_s_per_token=0.0)
+    _feed(costly, 200, _accept_each_with(0.7), draft_s_per_token=0.04)
+    assert statistics.median(cheap.chosen[-50:]) >= 3
+    assert statistics.median(costly.chosen[-50:]) <= 1
+
+
+def test_bad_k_rejected():
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        AdaptiveDraftLength(k=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_adaptive_length_keeps_greedy_output_identical(target, seed):
+    prompt = _prompt(20 + seed)
+    ref = reference_greedy(target, prompt, 40)
+    for drafter in (
+        OracleDrafter(len(prompt), ref),
+        OracleDrafter(len(prompt), ref, wrong=True),
+        RandomDrafter(64, seed),
+        NGramDrafter(max_ngram=3, min_ngram=1),
+    ):
+        policy = AdaptiveDraftLength(k=6)
+        for _ in range(2):  # the policy carries over between sequences
+            out = generate(target, prompt, drafter, k=6, max_new_tokens=40, draft_length=policy)
+            assert out.tokens == ref

@@ -1,0 +1,125 @@
+"""Cost-aware draft length: verify as many draft tokens as pay for themselves on this machine.
+
+Verification is not free on a CPU: one SmolLM2 forward costs ~55 ms for 1 token and ~100 ms for
+6. A drafter whose first guess is accepted 20% of the time makes decoding *slower* at a fixed k.
+Following the idea of dynamic speculation lookahead (Mamou et al. 2024, "DISCO"; Liu et al. 2024,
+"SpecDec++"), :class:`AdaptiveDraftLength` picks, before each step, the draft length n in [0, k]
+that maximises the expected tokens per second
+
+    E(n) / (V(n + 1) + n · D),    E(n) = 1 + Σ_{i<n} Π_{j≤i} β_j
+
+from quantities it measures online: β_j, the drafter's acceptance rate at position j given that
+positions < j were accepted; V(m), the wall time of a target forward over m tokens; D, the
+drafter's time per proposed token. n = 0 means a plain decoding step. So that a drafter judged
+useless gets a chance to prove otherwise, every ``explore_every``-th step without drafting drafts
+anyway. The choice never affects *which* tokens come out (acceptance is lossless for any n), only
+how fast.
+"""
+
+from __future__ import annotations
+
+
+class AdaptiveDraftLength:
+    """Online estimates of acceptance and costs, and the draft length they favour.
+
+    One instance may serve many sequences (pass it to every ``generate`` call): what it learned
+    about the drafter and the machine carries over.
+
+    Args:
+        k: the longest draft allowed.
+        prior_accept: β assumed before any evidence, with the weight of ``prior_weight`` trials.
+        prior_weight: pseudo-trials behind the prior.
+        decay: per-step forgetting factor of the acceptance counts (adapts within a sequence).
+        explore_every: force a draft after this many plain steps in a row.
+    """
+
+    def __init__(
+        self,
+        k: int,
+        prior_accept: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.99,
+        explore_every: int = 8,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k = k
+        self.prior_accept, self.prior_weight = prior_accept, prior_weight
+        self.decay, self.explore_every = decay, explore_every
+        self.hits = [0.0] * k
+        self.trials = [0.0] * k
+        self.verify_time: dict[int, float] = {}  # tokens in the forward -> EMA seconds
+        self.draft_time_per_token: float | None = None
+        self._plain_streak = 0
+        self.chosen: list[int] = []  # history, for reports
+
+    def acceptance(self) -> list[float]:
+        """β_j: estimated acceptance rate at position j given positions < j were accepted.
+
+        Position 0 shrinks toward ``prior_accept``; position j toward β_{j-1}: deeper positions
+        are tried only when the earlier ones pass, so they have less evidence, and conditional
+        acceptance is rarely much lower deeper in the draft.
+        """
+        out, prior = [], self.prior_accept
+        for h, t in zip(self.hits, self.trials, strict=True):
+            prior = (h + self.prior_weight * prior) / (t + self.prior_weight)
+            out.append(prior)
+        return out
+
+    def _verify_cost(self, m: int) -> float:
+        if m in self.verify_time:
+            return self.verify_time[m]
+        known = sorted(self.verify_time)
+        if not known:
+            return 1.0 + 0.1 * (m - 1)  # relative units until the first measurement
+        lo = max((x for x in known if x < m), default=None)
+        hi = min((x for x in known if x > m), default=None)
+        if lo is not None and hi is not None:  # interpolate
+            f = (m - lo) / (hi - lo)
+            return (1 - f) * self.verify_time[lo] + f * self.verify_time[hi]
+        ref = lo if lo is not None else hi
+        # Extrapolate with a gentle slope: CPU forwards grow far slower than linearly in width.
+        return self.verify_time[ref] * max(0.5, 1.0 + 0.1 * (m - ref))
+
+    def choose(self, limit: int) -> int:
+        """Draft length for the next step, at most ``min(k, limit)``."""
+        limit = min(self.k, limit)
+        if limit <= 0:
+            return 0
+        beta = self.acceptance()
+        d = self.draft_time_per_token or 0.0
+        best_n, best_rate, expected, survive = 0, 1.0 / self._verify_cost(1), 1.0, 1.0
+        for n in range(1, limit + 1):
+            survive *= beta[n - 1]
+            expected += survive
+            rate = expected / (self._verify_cost(n + 1) + n * d)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        if best_n == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.explore_every:
+                self._plain_streak = 0
+                best_n = limit  # explore: measure the drafter again
+        else:
+            self._plain_streak = 0
+        self.chosen.append(best_n)
+        return best_n
+
+    def update(self, proposed: int, accepted: int, verify_s: float, draft_s: float) -> None:
+        """Record one step: drafts proposed/accepted and the measured times."""
+        m = proposed + 1
+        old = self.verify_time.get(m)
+        self.verify_time[m] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        if proposed:
+            per_token = draft_s / proposed
+            old_d = self.draft_time_per_token
+            self.draft_time_per_token = (
+                per_token if old_d is None else 0.8 * old_d + 0.2 * per_token
+            )
+            for j in range(self.k):
+                self.hits[j] *= self.decay
+                self.trials[j] *= self.decay
+            for j in range(min(accepted + 1, proposed)):
+                self.trials[j] += 1.0
+            for j in range(accepted):
+                self.hits[j] += 1.0
