@@ -6,6 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Tiny models run fastest on one thread (thread start-up dominates their matmuls), and a second
+# test process or benchmark on a 2-core machine then keeps a core to itself.
+torch.set_num_threads(1)
+
 
 def tiny_llama(
     vocab_size: int = 64,

@@ -126,7 +126,7 @@ def test_wandb_offline_logging(tmp_path, tiny_target_dir, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    code, res = _run(
+    code, _res = _run(
         tmp_path,
         "--target",
         tiny_target_dir,

@@ -23,6 +23,11 @@ def _evaluate(argv: list[str]) -> int:
 
 
 DATA_COMMANDS = {
+    "tokenize": (
+        "draftsmith.train.data",
+        "main_tokenize",
+        "chat-template tokenization with assistant-only loss masks -> a saved dataset",
+    ),
     "distill": (
         "draftsmith.train.self_distill",
         "main_distill",
@@ -83,7 +88,7 @@ def _quickstart(argv: list[str]) -> int:
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "quickstart": (_quickstart, "the main job end to end on the default target (start here)"),
     "prepare-target": (_prepare_target, "convert/cache a target model (default: SmolLM2-135M)"),
-    "data": (_data, "data stages: distill (self-distillation), cache (hidden states), vocab"),
+    "data": (_data, "data stages: distill, tokenize, cache (hidden states), vocab"),
     "evaluate": (
         _evaluate,
         "plain vs speculative decoding on a prompt set: τ, speedup, losslessness",

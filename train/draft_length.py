@@ -11,9 +11,10 @@ that maximises the expected tokens per second
 from quantities it measures online: β_j, the drafter's acceptance rate at position j given that
 positions < j were accepted; V(m), the wall time of a target forward over m tokens; D, the
 drafter's time per proposed token. n = 0 means a plain decoding step. So that a drafter judged
-useless gets a chance to prove otherwise, every ``explore_every``-th step without drafting drafts
-anyway. The choice never affects *which* tokens come out (acceptance is lossless for any n), only
-how fast.
+useless gets a chance to prove otherwise, after ``explore_every`` plain steps in a row it drafts
+one token; each failed probe doubles that interval (up to ``max_explore_every``), so a useless
+drafter costs little, and an accepted probe resets it. The choice never affects *which* tokens
+come out (acceptance is lossless for any n), only how fast.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class AdaptiveDraftLength:
         prior_accept: β assumed before any evidence, with the weight of ``prior_weight`` trials.
         prior_weight: pseudo-trials behind the prior.
         decay: per-step forgetting factor of the acceptance counts (adapts within a sequence).
-        explore_every: force a draft after this many plain steps in a row.
+        explore_every: probe with a one-token draft after this many plain steps in a row.
+        max_explore_every: the probe interval doubles after each rejected probe up to this.
     """
 
     def __init__(
@@ -40,12 +42,16 @@ class AdaptiveDraftLength:
         prior_weight: float = 2.0,
         decay: float = 0.99,
         explore_every: int = 8,
+        max_explore_every: int = 128,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.k = k
         self.prior_accept, self.prior_weight = prior_accept, prior_weight
         self.decay, self.explore_every = decay, explore_every
+        self.max_explore_every = max_explore_every
+        self._interval = explore_every
+        self._probing = False
         self.hits = [0.0] * k
         self.trials = [0.0] * k
         self.verify_time: dict[int, float] = {}  # tokens in the forward -> EMA seconds
@@ -95,11 +101,13 @@ class AdaptiveDraftLength:
             rate = expected / (self._verify_cost(n + 1) + n * d)
             if rate > best_rate:
                 best_n, best_rate = n, rate
+        self._probing = False
         if best_n == 0:
             self._plain_streak += 1
-            if self._plain_streak >= self.explore_every:
+            if self._plain_streak >= self._interval:
                 self._plain_streak = 0
-                best_n = limit  # explore: measure the drafter again
+                self._probing = True
+                best_n = 1  # probe: the cheapest way to measure the drafter again
         else:
             self._plain_streak = 0
         self.chosen.append(best_n)
@@ -110,6 +118,11 @@ class AdaptiveDraftLength:
         m = proposed + 1
         old = self.verify_time.get(m)
         self.verify_time[m] = verify_s if old is None else 0.8 * old + 0.2 * verify_s
+        if self._probing:
+            rejected = proposed > 0 and accepted == 0
+            self._interval = (
+                min(2 * self._interval, self.max_explore_every) if rejected else self.explore_every
+            )
         if proposed:
             per_token = draft_s / proposed
             old_d = self.draft_time_per_token
