@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    info = run_info()  # taken at the start: the code and versions that actually ran
 
     # --- target, drafter, prompts -------------------------------------------------------------
     # Inputs are checked before the (slow) model load, so a typo fails in a second.
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         result["identical_to_target"] = None  # sampled outputs are compared in distribution only
     result["per_prompt"] = per_prompt
     result["config"] = config_to_dict(cfg)
-    result.update(run_info())
+    result.update(info)
 
     _console().print(
         results_table([result], title=f"target: {cfg.target or 'SmolLM2-135M-Instruct'}")

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    info = run_info()  # taken at the start: the code and versions that actually ran
     target, tok = load_target(args.target)
     n = target.config.num_hidden_layers
     layers = args.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": args.target or "default",
         },
         "results": results,
-        **run_info(),
+        **info,
     }
     if args.out:
         write_json_atomic(args.out, report)
