@@ -584,7 +584,8 @@ def test_tokenize_cli_saves_masked_dataset(tmp_path, tiny_target_dir, capsys):
     src.write_text(
         '{"id": 1, "messages": [{"role": "user", "content": "hi"},'
         ' {"role": "assistant", "content": "hello there"}]}\n'
-        '{"id": 2, "instruction": "add", "input": "1+1", "output": "2"}\n'
+        '{"id": 2, "messages": [{"role": "user", "content": "1+1?"},'
+        ' {"role": "assistant", "content": "2"}]}\n'
     )
     out = tmp_path / "tok"
     assert (
