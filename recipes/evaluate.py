@@ -30,7 +30,7 @@ from draftsmith.train.draft_length import AdaptiveDraftLength
 from draftsmith.train.metrics import results_table, summarize
 from draftsmith.train.prompts import PromptFileError, load_prompts, render_prompt
 from draftsmith.train.runinfo import run_info, write_json_atomic
-from draftsmith.train.sampling import SamplingParams
+from draftsmith.train.sampling import SamplingParams, sampling_problems
 from draftsmith.train.speculative import generate
 from draftsmith.train.target import TargetError, load_target
 
@@ -87,12 +87,7 @@ class EvalConfig:
             problems.append(("k", f"must be >= 1, got {self.k}"))
         if self.max_new_tokens < 1:
             problems.append(("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"))
-        if self.temperature < 0:
-            problems.append(("temperature", f"must be >= 0, got {self.temperature}"))
-        if not 0 < self.top_p <= 1:
-            problems.append(("top_p", f"must be in (0, 1], got {self.top_p}"))
-        if self.top_k < 0:
-            problems.append(("top_k", f"must be >= 0, got {self.top_k}"))
+        problems += sampling_problems(self.temperature, self.top_k, self.top_p)
         if self.limit is not None and self.limit < 1:
             problems.append(("limit", f"must be >= 1, got {self.limit}"))
         if not 1 <= self.ngram_min <= self.ngram_max:

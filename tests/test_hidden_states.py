@@ -380,17 +380,21 @@ def _launch(script: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 RANK_SCRIPT = """
-import json, sys
+import json, os, sys
 from draftsmith.train.config import parse_config
 from draftsmith.train.hidden_states import CacheConfig, run_cache
 s = run_cache(parse_config(CacheConfig, sys.argv[1:]))
-print("SUMMARY " + json.dumps({k: s[k] for k in ("process_index", "num_processes", "written")}))
+# One file per rank: two ranks printing to one pipe can interleave their lines.
+path = os.path.join(os.environ["SUMMARY_DIR"], f"rank{s['process_index']}.json")
+with open(path, "w") as f:
+    json.dump({k: s[k] for k in ("process_index", "num_processes", "written")}, f)
 """
 
 
 @pytest.mark.integration
-def test_two_cpu_processes_equal_one(tmp_path):
+def test_two_cpu_processes_equal_one(tmp_path, monkeypatch):
     """accelerate launch, 2 CPU processes: the merged cache equals a 1-process build."""
+    monkeypatch.setenv("SUMMARY_DIR", str(tmp_path))
     model_dir = tiny_model_dir(tmp_path / "target")
     with open(tmp_path / "data.jsonl", "w") as f:
         for s in make_samples(20, vocab=256, seed=1):
@@ -403,7 +407,7 @@ def test_two_cpu_processes_equal_one(tmp_path):
     proc = _launch(script, "--out", str(tmp_path / "two"), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = sorted(
-        (json.loads(line[8:]) for line in proc.stdout.splitlines() if line.startswith("SUMMARY ")),
+        (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")),
         key=lambda r: r["process_index"],
     )
     # Really two processes in one group, each writing its own round-robin slice of the shards.

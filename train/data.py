@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.train.config import cfg_field
-from draftsmith.train.prompts import HELDOUT_ID_MODULUS
+from draftsmith.train.prompts import HELDOUT_ID_MODULUS, token_ids
 
 __all__ = [
     "SHAPES",
@@ -682,7 +682,7 @@ def chat_token_ids(
         )
     except Exception as exc:  # jinja errors, raise_exception() in templates, ...
         raise TemplateError(f"the chat template failed: {exc}") from exc
-    return _flat_ids(out)
+    return token_ids(out)
 
 
 def _chat_text(
@@ -694,17 +694,6 @@ def _chat_text(
         )
     except Exception as exc:
         raise TemplateError(f"the chat template failed: {exc}") from exc
-
-
-def _flat_ids(out: Any) -> list[int]:
-    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    out = list(out)
-    if len(out) == 1 and isinstance(out[0], (list, tuple)):  # a batch of one
-        out = list(out[0])
-    return [int(t) for t in out]
 
 
 _GEN_PROMPT_CACHE: dict[str, bool] = {}

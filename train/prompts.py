@@ -214,7 +214,15 @@ def render_prompt(tokenizer: Any, record: PromptRecord) -> list[int]:
         raise ValueError(
             f"{record.source}: the chat template failed on prompt {record.id!r}: {exc}"
         ) from exc
-    # transformers 5 returns a BatchEncoding by default; 4.x returns a list (or a tensor).
+    return token_ids(out)
+
+
+def token_ids(out: Any) -> list[int]:
+    """Flat token ids from whatever ``apply_chat_template(tokenize=True)`` returned.
+
+    transformers 5 returns a BatchEncoding by default; 4.x returns a list (or a tensor); either
+    may hold a batch of one.
+    """
     if isinstance(out, Mapping) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     if hasattr(out, "tolist"):

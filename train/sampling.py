@@ -8,9 +8,31 @@ Both sides therefore go through :func:`logits_to_probs` with the same :class:`Sa
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
+
+
+def sampling_problems(temperature: float, top_k: int, top_p: float) -> list[tuple[str, str]]:
+    """Every problem with a set of sampling parameters, as ``(field, problem)`` pairs."""
+    problems = []
+    if temperature < 0:
+        problems.append(("temperature", f"must be >= 0, got {temperature}"))
+    if top_k < 0:
+        problems.append(("top_k", f"must be >= 0, got {top_k}"))
+    if not 0.0 < top_p <= 1.0:
+        problems.append(("top_p", f"must be in (0, 1], got {top_p}"))
+    return problems
+
+
+def eos_set(eos_token_id: int | Collection[int] | None) -> set[int]:
+    """The end-of-sequence ids as a set (None -> no EOS: generate to the budget)."""
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return {int(e) for e in eos_token_id}
 
 
 @dataclass(frozen=True)
@@ -28,15 +50,10 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        problems = []
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        problems = sampling_problems(self.temperature, self.top_k, self.top_p)
         if problems:
-            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+            text = "; ".join(f"{name} {problem}" for name, problem in problems)
+            raise ValueError(f"invalid sampling parameters: {text}")
 
     @property
     def greedy(self) -> bool:

@@ -58,7 +58,7 @@ from draftsmith.train.data import (
     template_fingerprint,
 )
 from draftsmith.train.prompts import DEFAULT_PROMPTS
-from draftsmith.train.sampling import SamplingParams, logits_to_probs
+from draftsmith.train.sampling import SamplingParams, eos_set, logits_to_probs, sampling_problems
 
 __all__ = [
     "DistillConfig",
@@ -184,12 +184,7 @@ def generate_batch(
         raise ValueError("generate_batch needs at least one prompt, each of at least one token")
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"got {len(generators)} generators for {len(prompts)} prompts")
-    if eos_token_id is None:
-        eos: set[int] = set()
-    elif isinstance(eos_token_id, int):
-        eos = {eos_token_id}
-    else:
-        eos = {int(e) for e in eos_token_id}
+    eos = eos_set(eos_token_id)
     device = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((b, width), pad_token_id, dtype=torch.long)
@@ -678,12 +673,7 @@ class DistillConfig:
             problems.append(("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"))
         if self.batch_size < 1:
             problems.append(("batch_size", f"must be >= 1, got {self.batch_size}"))
-        if self.temperature < 0:
-            problems.append(("temperature", f"must be >= 0, got {self.temperature}"))
-        if not 0 < self.top_p <= 1:
-            problems.append(("top_p", f"must be in (0, 1], got {self.top_p}"))
-        if self.top_k < 0:
-            problems.append(("top_k", f"must be >= 0, got {self.top_k}"))
+        problems += sampling_problems(self.temperature, self.top_k, self.top_p)
         if self.limit is not None and self.limit < 1:
             problems.append(("limit", f"must be >= 1, got {self.limit}"))
         if self.shape == "text":

@@ -31,7 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.heads.base import Drafter, Features, Proposal
 from draftsmith.train.draft_length import AdaptiveDraftLength
-from draftsmith.train.sampling import SamplingParams, choose, logits_to_probs, sample
+from draftsmith.train.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
 
 
 @dataclass
@@ -249,12 +249,7 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     device = next(target.parameters()).device
     prompt = _as_prompt(prompt_ids, device)
-    if eos_token_id is None:
-        eos: set[int] = set()
-    elif isinstance(eos_token_id, int):
-        eos = {eos_token_id}
-    else:
-        eos = {int(e) for e in eos_token_id}
+    eos = eos_set(eos_token_id)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
     want_hidden = bool(layers)
 
