@@ -1403,7 +1403,7 @@ def main_cache(argv: list[str] | None = None) -> int:
         argv: Arguments without the program/subcommand name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        Exit code: 0 on success, 1 on a config, data, target or disk-space error.
+        Exit code: 0 on success, 2 on a config error, 1 on a data, target or disk-space error.
     """
     from draftsmith.train.config import ConfigError, parse_config
     from draftsmith.train.target import TargetError
@@ -1416,8 +1416,12 @@ def main_cache(argv: list[str] | None = None) -> int:
             description="Run the frozen target over tokenized data and cache the hidden states "
             "drafters train on (resumable; one slice per accelerate process).",
         )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2  # a usage error, as in the other draftsmith commands
+    try:
         summary = run_cache(cfg)
-    except (ConfigError, CacheError, TargetError, OSError, ValueError) as exc:
+    except (CacheError, TargetError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if summary.get("is_main_process", True):

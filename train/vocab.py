@@ -392,7 +392,7 @@ def main_vocab(argv: list[str] | None = None) -> int:
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2  # a usage error, as in the other draftsmith commands
     try:
         summary = _run_vocab(cfg)
     except (OSError, ValueError, RuntimeError) as exc:
