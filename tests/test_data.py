@@ -504,6 +504,46 @@ def test_truncation_keeps_mask_aligned(chatml):
     assert tokenize_conversation(chatml, CHAT, max_length=first_answer_end - 3) is None
 
 
+def test_truncated_turn_does_not_supervise_end_of_turn(chatml):
+    # A self-distilled answer that hit max_new_tokens never produced <|im_end|>; the template
+    # still renders one, and it must stay unsupervised (else the drafter learns to stop early).
+    got = check_mask(
+        chatml,
+        CHAT[:2],
+        [
+            (SMOLLM2_SYSTEM, 0),
+            ("<|im_start|>user\nhi<|im_end|>\n", 0),
+            ("<|im_start|>assistant\n", 0),
+            ("yo<|im_end|>", 1),
+            ("\n", 0),
+        ],
+    )
+    cut = tokenize_conversation(chatml, CHAT[:2], max_length=None, open_ended=True)
+    assert cut["input_ids"] == got["input_ids"]
+    eot = chatml.convert_tokens_to_ids("<|im_end|>")
+    expected_mask = list(got["loss_mask"])
+    expected_mask[got["input_ids"].index(eot, got["loss_mask"].index(1))] = 0
+    assert cut["loss_mask"] == expected_mask
+    supervised = [t for t, m in zip(cut["input_ids"], cut["loss_mask"], strict=True) if m]
+    assert chatml.decode(supervised) == "yo"
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_build_dataset_honours_truncated_flag(tmp_path, chatml, num_proc):
+    path = write_jsonl(
+        tmp_path / "sd.jsonl",
+        {"id": 1, "instruction": "hi", "output": "yo"},
+        {"id": 2, "instruction": "hi", "output": "yo", "truncated": True},
+    )
+    ds, _ = build_dataset(path, chatml, max_length=None, num_proc=num_proc)
+    eot = chatml.convert_tokens_to_ids("<|im_end|>")
+    done, cut = ds[0], ds[1]
+    assert done["input_ids"] == cut["input_ids"]
+    sup = [[t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m] for r in ds]
+    assert sup[0][-1] == eot and eot not in sup[1]
+    assert sup[0][:-1] == sup[1]
+
+
 def test_text_records_fully_supervised(chatml):
     got = tokenize_text(chatml, "abc", max_length=None)
     assert got == {"input_ids": chatml.encode("abc"), "loss_mask": [1, 1, 1]}

@@ -120,6 +120,10 @@ class Conversation:
             a ``split`` field, integer ids follow ``id % 10 == 9`` = held-out; ``None`` when the
             record has neither.
         raw: The record as read (self-distillation rewrites it in the same shape).
+        truncated: The record's ``"truncated": true`` flag (self-distillation sets it when a
+            regenerated turn hit ``max_new_tokens``): its assistant turns did not end on their
+            own, so their end-of-turn token is not supervised (the template appends one the
+            target never produced; teaching it would teach the drafter to stop early).
     """
 
     messages: list[dict[str, str]]
@@ -129,6 +133,7 @@ class Conversation:
     text: str | None = None
     split: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    truncated: bool = False
 
 
 class DataFileError(ValueError):
@@ -568,6 +573,7 @@ def _parse_record(obj: Any, shape: str, source: str) -> Conversation:
         text=text,
         split=split,
         raw=dict(obj),
+        truncated=obj.get("truncated") is True,
     )
 
 
@@ -727,6 +733,7 @@ def tokenize_conversation(
     *,
     max_length: int | None,
     eos_token_ids: Iterable[int] | None = None,
+    open_ended: bool = False,
 ) -> dict[str, list[int]] | None:
     """Tokenize a conversation with its chat template and mask all but the assistant's tokens.
 
@@ -750,6 +757,9 @@ def tokenize_conversation(
         messages: ``[{"role", "content"}, ...]`` (a :attr:`Conversation.messages`).
         max_length: Keep at most this many tokens (the first ones); ``None`` keeps all.
         eos_token_ids: Extra end-of-turn token ids (e.g. the model's generation config EOS).
+        open_ended: The assistant turns were cut off (a truncated self-distilled record): their
+            end-of-turn token, which the template adds but the model never generated, is left
+            unsupervised along with the glue after it.
 
     Returns:
         ``{"input_ids": [T] ints, "loss_mask": [T] 0/1 ints}``, or ``None`` when no supervised
@@ -759,7 +769,9 @@ def tokenize_conversation(
         TemplateError: The template failed, or renders a conversation prefix differently from
             the same messages inside the full conversation (the message says which).
     """
-    result = _tokenize_chat(tokenizer, messages, max_length, _eos_ids(tokenizer, eos_token_ids))
+    result = _tokenize_chat(
+        tokenizer, messages, max_length, _eos_ids(tokenizer, eos_token_ids), open_ended
+    )
     return result[0]
 
 
@@ -790,6 +802,7 @@ def _tokenize_chat(
     messages: Sequence[Mapping[str, str]],
     max_length: int | None,
     eos: set[int],
+    open_ended: bool = False,
 ) -> tuple[dict[str, list[int]] | None, str | None, int]:
     """``(sample or None, drop reason or None, untruncated length)``."""
     full = chat_token_ids(tokenizer, messages, add_generation_prompt=False)
@@ -813,9 +826,10 @@ def _tokenize_chat(
             span = _char_span(tokenizer, messages, i, gen_prompt, len(full))
         start, end = span
         # Cut after the last end-of-turn token: the rest is glue the model never generates.
+        # An open-ended (truncated) turn never produced its end-of-turn token: cut before it.
         for j in range(end - 1, start - 1, -1):
             if full[j] in eos:
-                end = j + 1
+                end = j if open_ended else j + 1
                 break
         for j in range(start, end):
             mask[j] = 1
@@ -955,7 +969,9 @@ def _tokenize_row(
             sample = {k: v[:max_length] for k, v in sample.items()}
         reason = None if sample else "empty text"
     else:
-        sample, reason, length = _tokenize_chat(tokenizer, row["messages"], max_length, set(eos))
+        sample, reason, length = _tokenize_chat(
+            tokenizer, row["messages"], max_length, set(eos), bool(row.get("truncated"))
+        )
     if sample is None:
         return {"input_ids": [], "loss_mask": [], "_drop": reason, "_length": length}
     return {**sample, "_drop": "", "_length": length}
@@ -1015,6 +1031,7 @@ def build_dataset(
         "id": [c.id for c in conversations],
         "messages": [c.messages if c.text is None else None for c in conversations],
         "text": [c.text for c in conversations],
+        "truncated": [c.truncated for c in conversations],
     }
     # Tokenize once in this process first when num_proc == 1: no arrow round trip, and a
     # template error names its record.
@@ -1025,8 +1042,9 @@ def build_dataset(
         for conv, rid, messages, text in zip(
             conversations, rows["id"], rows["messages"], rows["text"], strict=True
         ):
+            row = {"messages": messages, "text": text, "truncated": conv.truncated}
             try:
-                res = _tokenize_row({"messages": messages, "text": text}, **fn_kwargs)
+                res = _tokenize_row(row, **fn_kwargs)
             except TemplateError as exc:
                 raise TemplateError(f"{conv.source}: {exc}") from exc
             _account(summary, res, max_length)
@@ -1042,7 +1060,7 @@ def build_dataset(
         _tokenize_row,
         fn_kwargs=fn_kwargs,
         num_proc=num_proc,
-        remove_columns=["messages", "text"],
+        remove_columns=["messages", "text", "truncated"],
         desc="tokenizing",
     )
     for drop, length, mask in zip(ds["_drop"], ds["_length"], ds["loss_mask"], strict=True):
