@@ -5,6 +5,12 @@ Launch::
     draftsmith evaluate --drafter ngram --k 5 --max-new-tokens 128 --out results.json
     python recipes/evaluate.py --drafter draft-lm --draft-layers 0 1 2 29 --k 4
     python recipes/evaluate.py --config recipes/configs/evaluate.yaml --report-to wandb
+    draftsmith evaluate --prompts ../shared/data/alpaca_2k.jsonl --split heldout \
+        --drafter eagle=runs/eagle1_smollm2/drafter eagle=runs/eagle3_smollm2/drafter \
+        eagle-tree=runs/eagle3_smollm2/drafter --out results/eagle.json
+
+Several drafters in one run share one plain-decoding baseline, measured prompt by prompt between
+them.
 
 For each prompt the target first decodes alone (the baseline), then with the drafter, in the same
 process, so the speedup compares like with like. Greedy runs check that the speculative output is
@@ -53,10 +59,11 @@ class EvalConfig:
         choices=["auto", "train", "heldout", "all"],
     )
     limit: int | None = cfg_field(None, help="evaluate the first N prompts only")
-    drafter: str = cfg_field(
-        "ngram",
-        help="ngram (prompt lookup), draft-lm, or none",
-        choices=["ngram", "draft-lm", "none"],
+    drafter: list[str] = cfg_field(
+        ["ngram"],
+        help="drafter(s) to compare against the same baseline, each KIND or KIND=PATH: ngram "
+        "(prompt lookup), draft-lm[=model dir], eagle=DIR, eagle-tree=DIR (EAGLE-2 dynamic tree), "
+        "medusa=DIR, medusa-tree=DIR, or none (plain decoding only)",
     )
     k: int = cfg_field(5, help="draft tokens per verification step")
     max_new_tokens: int = cfg_field(128, help="tokens to generate per prompt")
@@ -71,6 +78,10 @@ class EvalConfig:
     )
     draft_layers: list[int] | None = cfg_field(
         None, help="draft-lm: build an untrained layer-pruned copy of the target with these layers"
+    )
+    tree_topk: int = cfg_field(4, help="eagle-tree: children expanded per node")
+    tree_total_tokens: int = cfg_field(
+        24, help="eagle-tree / medusa-tree: draft tokens verified per step (tree size)"
     )
     adaptive_k: bool = cfg_field(
         False, help="pick each step's draft length (<= k) from measured acceptance and costs"
@@ -94,35 +105,81 @@ class EvalConfig:
             problems.append(("ngram_min", "need 1 <= ngram_min <= ngram_max"))
         if self.draft_model and self.draft_layers:
             problems.append(("draft_layers", "give draft_model or draft_layers, not both"))
-        if self.drafter != "draft-lm" and (self.draft_model or self.draft_layers):
+        specs = []
+        for spec in self.drafter:
+            kind, _, path = spec.partition("=")
+            if kind not in DRAFTER_KINDS:
+                problems.append(("drafter", f"{spec!r}: kind must be one of {DRAFTER_KINDS}"))
+            elif kind in NEEDS_PATH and not path:
+                problems.append(("drafter", f"{spec!r}: {kind} needs a directory: {kind}=DIR"))
+            elif path and kind not in (*NEEDS_PATH, "draft-lm"):
+                problems.append(("drafter", f"{spec!r}: {kind} takes no path"))
+            specs.append(kind)
+        if not self.drafter:
+            problems.append(("drafter", "name at least one drafter (or none)"))
+        if "none" in specs and len(specs) > 1:
+            problems.append(
+                ("drafter", "none runs plain decoding only; do not list other drafters")
+            )
+        if "draft-lm" not in specs and (self.draft_model or self.draft_layers):
             problems.append(("drafter", "draft_model/draft_layers need drafter: draft-lm"))
-        if self.drafter == "none" and not self.baseline:
+        if specs == ["none"] and not self.baseline:
             problems.append(("baseline", "drafter none with baseline off measures nothing"))
+        if self.tree_topk < 1:
+            problems.append(("tree_topk", f"must be >= 1, got {self.tree_topk}"))
+        if self.tree_total_tokens < 1:
+            problems.append(("tree_total_tokens", f"must be >= 1, got {self.tree_total_tokens}"))
         return problems
 
 
-def build_drafter(cfg: EvalConfig, target):
-    """The drafter the config asks for (None for plain decoding)."""
-    if cfg.drafter == "ngram":
+DRAFTER_KINDS = ("ngram", "draft-lm", "eagle", "eagle-tree", "medusa", "medusa-tree", "none")
+NEEDS_PATH = ("eagle", "eagle-tree", "medusa", "medusa-tree")
+
+
+def build_drafter(cfg: EvalConfig, spec: str, target):
+    """The drafter one ``--drafter`` entry asks for (None for plain decoding)."""
+    kind, _, path = spec.partition("=")
+    if kind == "ngram":
         return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min)
-    if cfg.drafter == "draft-lm":
-        if cfg.draft_model:
-            model, _ = load_target(cfg.draft_model, cache_dir=cfg.cache_dir)
+    if kind == "draft-lm":
+        if path or cfg.draft_model:
+            model, _ = load_target(path or cfg.draft_model, cache_dir=cfg.cache_dir)
         else:
             n = target.config.num_hidden_layers
             # Default: first, two evenly spaced middle layers and the last one.
             layers = cfg.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
             model = layer_pruned_copy(target, layers)
         return DraftLM(model, target_vocab_size=target.get_output_embeddings().weight.shape[0])
+    if kind in ("eagle", "eagle-tree"):
+        from draftsmith.heads.eagle import EagleProposer, load_drafter
+
+        drafter = load_drafter(path, target)
+        if kind == "eagle":
+            return EagleProposer(drafter, target)
+        return EagleProposer(
+            drafter, target, tree=True, topk=cfg.tree_topk, total_tokens=cfg.tree_total_tokens
+        )
+    if kind in ("medusa", "medusa-tree"):
+        from draftsmith.heads.medusa import medusa_proposer
+
+        return medusa_proposer(
+            path, target, tree=kind == "medusa-tree", total_tokens=cfg.tree_total_tokens
+        )
     return None
 
 
-def method_name(cfg: EvalConfig) -> str:
-    if cfg.drafter == "ngram":
+def method_name(cfg: EvalConfig, spec: str, drafter) -> str:
+    kind, _, path = spec.partition("=")
+    if kind == "ngram":
         return f"ngram[{cfg.ngram_min}-{cfg.ngram_max}]"
-    if cfg.drafter == "draft-lm":
-        what = cfg.draft_model or f"pruned {cfg.draft_layers or 'default'}"
+    if kind == "draft-lm":
+        what = path or cfg.draft_model or f"pruned {cfg.draft_layers or 'default'}"
         return f"draft-lm[{what}]"
+    if kind in ("eagle", "eagle-tree"):
+        version = drafter.drafter.config.version if hasattr(drafter, "drafter") else "?"
+        return f"eagle{version}-{'tree' if kind.endswith('tree') else 'chain'}[{path}]"
+    if kind in ("medusa", "medusa-tree"):
+        return f"medusa-{'tree' if kind.endswith('tree') else 'chain'}[{path}]"
     return "plain"
 
 
@@ -144,20 +201,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         records = load_prompts(cfg.prompts, split=split, limit=cfg.limit)
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
-        drafter = build_drafter(cfg, target)
+        drafters = [build_drafter(cfg, spec, target) for spec in cfg.drafter]
         prompts = [render_prompt(tokenizer, r) for r in records]
-    except (PromptFileError, TargetError, ValueError) as exc:
+    except (PromptFileError, TargetError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    names = [method_name(cfg, spec, d) for spec, d in zip(cfg.drafter, drafters, strict=True)]
     eos = {tokenizer.eos_token_id, *_as_list(target.generation_config.eos_token_id)} - {None}
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
-    # One policy for the whole run: what it learns about the drafter carries across prompts.
-    policy = AdaptiveDraftLength(cfg.k) if cfg.adaptive_k and drafter is not None else None
+    # One policy per drafter for the whole run: what it learns carries across prompts.
+    policies = [
+        AdaptiveDraftLength(cfg.k) if cfg.adaptive_k and d is not None else None for d in drafters
+    ]
 
-    # --- loop: baseline then speculative, prompt by prompt ------------------------------------
+    # --- loop: baseline then each drafter, prompt by prompt -----------------------------------
     # One short untimed run first: the first forwards of a process pay one-off allocation costs.
-    generate(target, prompts[0], drafter, **{**common, "max_new_tokens": 8})
-    base_runs, spec_runs, per_prompt = [], [], []
+    for drafter in drafters:
+        generate(target, prompts[0], drafter, **{**common, "max_new_tokens": 8})
+    base_runs: list = []
+    spec_runs: list[list] = [[] for _ in drafters]
+    per_prompt: list[list[dict]] = [[] for _ in drafters]
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     columns = [
@@ -169,65 +232,84 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(*columns, transient=not sys.stderr.isatty()) as progress:
         task = progress.add_task("evaluating", total=len(prompts))
         for record, ids in zip(records, prompts, strict=True):
-            # Same seed for both runs of a prompt: sampled outputs are then comparable run to run.
+            # Same seed for every run of a prompt: sampled outputs are comparable run to run.
+            # Interleaved per prompt, so a machine slowing down hurts every method alike.
             base = None
             if cfg.baseline:
                 gen = torch.Generator().manual_seed(cfg.seed)
                 base = generate(target, ids, None, **common, generator=gen)
                 base_runs.append(base)
-            spec = base
-            if drafter is not None:
-                gen = torch.Generator().manual_seed(cfg.seed)
-                spec = generate(target, ids, drafter, **common, generator=gen, draft_length=policy)
-            spec_runs.append(spec)
-            entry = {
-                "id": record.id,
-                "prompt_tokens": len(ids),
-                "new_tokens": len(spec.tokens),
-                "acceptance_length": spec.acceptance_length,
-                "tokens_per_second": len(spec.tokens) / spec.wall_time,
-                "stop_reason": spec.stop_reason,
-                "output_ids": spec.tokens,
-                "output_text": tokenizer.decode(spec.tokens, skip_special_tokens=True),
-            }
-            if base is not None:
-                entry["baseline_tokens_per_second"] = len(base.tokens) / base.wall_time
-                entry["identical_to_target"] = base.tokens == spec.tokens
-                if base.tokens != spec.tokens:
-                    entry["baseline_output_ids"] = base.tokens
-            per_prompt.append(entry)
+            for i, (drafter, policy) in enumerate(zip(drafters, policies, strict=True)):
+                spec = base
+                if drafter is not None:
+                    gen = torch.Generator().manual_seed(cfg.seed)
+                    spec = generate(
+                        target, ids, drafter, **common, generator=gen, draft_length=policy
+                    )
+                spec_runs[i].append(spec)
+                per_prompt[i].append(_prompt_entry(record, ids, spec, base, tokenizer))
             progress.advance(task)
 
     # --- results ------------------------------------------------------------------------------
-    result = {"method": method_name(cfg), "k": cfg.k, "temperature": cfg.temperature}
-    result["adaptive_k"] = cfg.adaptive_k
-    if policy is not None:
-        result["mean_draft_length"] = sum(policy.chosen) / max(len(policy.chosen), 1)
-    result.update(summarize(spec_runs, cfg.k, base_runs if cfg.baseline else None))
-    if cfg.baseline and sampling.greedy:
-        result["identical_to_target"] = all(p["identical_to_target"] for p in per_prompt)
-    else:
-        result["identical_to_target"] = None  # sampled outputs are compared in distribution only
-    result["per_prompt"] = per_prompt
-    result["config"] = config_to_dict(cfg)
-    result.update(info)
+    results = []
+    for i, name in enumerate(names):
+        result = {"method": name, "k": cfg.k, "temperature": cfg.temperature}
+        result["adaptive_k"] = cfg.adaptive_k
+        if policies[i] is not None:
+            chosen = policies[i].chosen
+            result["mean_draft_length"] = sum(chosen) / max(len(chosen), 1)
+        result.update(summarize(spec_runs[i], cfg.k, base_runs if cfg.baseline else None))
+        if cfg.baseline and sampling.greedy:
+            result["identical_to_target"] = all(p["identical_to_target"] for p in per_prompt[i])
+        else:
+            result["identical_to_target"] = None  # sampled outputs: compared in distribution
+        result["per_prompt"] = per_prompt[i]
+        results.append(result)
+    # One drafter: its result is the file (the historic layout). Several: one entry each under
+    # "methods", sharing the baseline measured in the same run.
+    out = dict(results[0]) if len(results) == 1 else {"methods": results}
+    out["config"] = config_to_dict(cfg)
+    out.update(info)
 
     _console().print(
-        results_table([result], title=f"target: {cfg.target or 'SmolLM2-135M-Instruct'}")
+        results_table(results, title=f"target: {cfg.target or 'SmolLM2-135M-Instruct'}")
     )
     if cfg.out:
-        write_json_atomic(cfg.out, result)
+        write_json_atomic(cfg.out, out)
         print(f"results written to {cfg.out}")
     if cfg.report_to == "wandb":
-        _log_wandb(cfg, result)
-    if result["identical_to_target"] is False:
-        bad = [p["id"] for p in per_prompt if not p["identical_to_target"]]
-        print(
-            f"error: speculative output differs from plain greedy for prompts {bad}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+        for result in results:
+            _log_wandb(cfg, {**result, "config": out["config"]})
+    code = 0
+    for result in results:
+        if result["identical_to_target"] is False:
+            bad = [p["id"] for p in result["per_prompt"] if not p["identical_to_target"]]
+            print(
+                f"error: {result['method']}: speculative output differs from plain greedy for "
+                f"prompts {bad}",
+                file=sys.stderr,
+            )
+            code = 1
+    return code
+
+
+def _prompt_entry(record, ids, spec, base, tokenizer) -> dict:
+    entry = {
+        "id": record.id,
+        "prompt_tokens": len(ids),
+        "new_tokens": len(spec.tokens),
+        "acceptance_length": spec.acceptance_length,
+        "tokens_per_second": len(spec.tokens) / spec.wall_time,
+        "stop_reason": spec.stop_reason,
+        "output_ids": spec.tokens,
+        "output_text": tokenizer.decode(spec.tokens, skip_special_tokens=True),
+    }
+    if base is not None:
+        entry["baseline_tokens_per_second"] = len(base.tokens) / base.wall_time
+        entry["identical_to_target"] = base.tokens == spec.tokens
+        if base.tokens != spec.tokens:
+            entry["baseline_output_ids"] = base.tokens
+    return entry
 
 
 def _console():

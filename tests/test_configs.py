@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.recipes.eagle import EagleTrainConfig
 from draftsmith.recipes.evaluate import EvalConfig
 from draftsmith.train.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
-CLASSES = {"evaluate": EvalConfig}
+CLASSES = {"evaluate": EvalConfig, "eagle": EagleTrainConfig}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

@@ -151,3 +151,47 @@ def test_cli_help_lists_commands(capsys):
     assert "distill" in capsys.readouterr().out
     assert cli(["data", "nope"]) == 2
     assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_evaluate_several_drafters_share_one_baseline(tmp_path, tiny_target_dir):
+    code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "ngram",
+        "draft-lm",
+        "--draft-layers",
+        "0",
+        "3",
+        "--k",
+        3,
+        "--max-new-tokens",
+        16,
+        "--limit",
+        3,
+    )
+    assert code == 0
+    assert [m["method"] for m in res["methods"]] == ["ngram[2-4]", "draft-lm[pruned [0, 3]]"]
+    ngram, dlm = res["methods"]
+    # Same baseline for both: the same plain-decoding runs feed both speedups.
+    assert ngram["baseline_tokens_per_second"] == dlm["baseline_tokens_per_second"]
+    assert ngram["identical_to_target"] is True and dlm["identical_to_target"] is True
+    assert [p["output_ids"] for p in ngram["per_prompt"]] == [
+        p["output_ids"] for p in dlm["per_prompt"]
+    ]
+    assert "command" in res and "config" in res
+
+
+@pytest.mark.parametrize(
+    ("spec", "problem"),
+    [
+        ("eagle", "eagle needs a directory"),
+        ("ngram=/x", "ngram takes no path"),
+        ("bogus", "kind must be one of"),
+    ],
+)
+def test_evaluate_rejects_bad_drafter_specs(tmp_path, tiny_target_dir, capsys, spec, problem):
+    code, _ = _run(tmp_path, "--target", tiny_target_dir, "--drafter", spec)
+    assert code == 2
+    assert problem in capsys.readouterr().err

@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import os
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING
@@ -141,7 +142,8 @@ def _coerce(value: Any, tp: Any, lenient: bool) -> Any:
             with contextlib.suppress(ValueError):
                 return tp(value)
     if isinstance(tp, type) and issubclass(tp, PurePath) and isinstance(value, (str, PurePath)):
-        return tp(value)
+        # "~/..." in a shipped YAML means the user's home, as on a command line.
+        return tp(os.path.expanduser(str(value)))
     if isinstance(tp, type) and origin is None:
         if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
             return value
