@@ -11,22 +11,74 @@ import copy
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.heads.base import Features, Proposal
 from draftsmith.train.sampling import SamplingParams, choose
 
 
-def check_vocab_compatible(draft_vocab_size: int, target_vocab_size: int) -> None:
+def first_vocab_difference(
+    draft_tokenizer: PreTrainedTokenizerBase, target_tokenizer: PreTrainedTokenizerBase
+) -> tuple[int, str | None, str | None] | None:
+    """The first token id whose token differs between two tokenizers.
+
+    Args:
+        draft_tokenizer: the draft's tokenizer.
+        target_tokenizer: the target's tokenizer.
+
+    Returns:
+        ``(id, draft_token, target_token)`` for the lowest id that maps to different tokens (a side
+        is ``None`` when that tokenizer has no such id), or ``None`` when both map every id to the
+        same token (added/special tokens included).
+    """
+    draft = {i: t for t, i in draft_tokenizer.get_vocab().items()}
+    target = {i: t for t, i in target_tokenizer.get_vocab().items()}
+    for i in sorted(draft.keys() | target.keys()):
+        if draft.get(i) != target.get(i):
+            return i, draft.get(i), target.get(i)
+    return None
+
+
+def check_vocab_compatible(
+    draft_vocab_size: int,
+    target_vocab_size: int,
+    *,
+    draft_tokenizer: PreTrainedTokenizerBase | None = None,
+    target_tokenizer: PreTrainedTokenizerBase | None = None,
+) -> None:
     """Raise when a draft model cannot propose in the target's vocabulary.
 
-    Speculative sampling compares p and q token by token, so both must index the same vocabulary.
+    Speculative sampling compares p and q token by token, so both must index the same vocabulary:
+    the same number of output rows and, when both tokenizers are given, the same token behind
+    every id.
+
+    Args:
+        draft_vocab_size: rows of the draft's output embedding (lm_head).
+        target_vocab_size: rows of the target's output embedding.
+        draft_tokenizer: the draft's tokenizer, compared id by id with ``target_tokenizer``.
+        target_tokenizer: the target's tokenizer.
+
+    Raises:
+        ValueError: naming both vocabulary sizes and, when tokenizers were given and differ, the
+            first token id whose token differs.
     """
-    if draft_vocab_size != target_vocab_size:
-        raise ValueError(
-            f"draft model vocab size {draft_vocab_size} != target vocab size {target_vocab_size}: "
-            "the draft must share the target's tokenizer and vocabulary"
+    diff = None
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        diff = first_vocab_difference(draft_tokenizer, target_tokenizer)
+    if draft_vocab_size == target_vocab_size and diff is None:
+        return
+    sizes = f"draft model vocab size {draft_vocab_size} != target vocab size {target_vocab_size}"
+    if draft_vocab_size == target_vocab_size:
+        sizes = (
+            f"draft and target vocab size are both {draft_vocab_size}, but the tokenizers differ"
         )
+    if diff is not None:
+        i, d, t = diff
+        sizes += (
+            f"; tokenizers ({len(draft_tokenizer)} vs {len(target_tokenizer)} tokens) first differ "
+            f"at id {i}: draft {d!r} vs target {t!r}"
+        )
+    raise ValueError(f"{sizes}: the draft must share the target's tokenizer and vocabulary")
 
 
 class DraftLM(nn.Module):
@@ -111,16 +163,23 @@ class DraftLM(nn.Module):
 def layer_pruned_copy(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
     """A smaller LM made from a subset of the target's decoder layers.
 
-    The copy shares nothing with the original (deep copy): embeddings, the chosen layers in order,
-    the final norm and the lm_head. It is the cheapest draft initialisation that already speaks
-    the target's vocabulary (issue: distillation recipe).
+    The copy shares no storage with the original: its embeddings, the chosen layers in the given
+    order, the final norm and the lm_head are fresh trainable parameters holding the target's
+    values (gradients enabled even if the target is frozen). A target with tied embeddings gives a
+    draft with tied embeddings (one tensor; training updates both roles together, as in the
+    target). It is the cheapest draft initialisation that already speaks the target's vocabulary
+    (the distillation recipe starts from it; see ``docs/distill.md``).
 
     Args:
         model: a decoder-only HF causal LM with ``model.model.layers``.
-        layers: indices of the layers to keep, e.g. ``[0, 10, 20, 29]``.
+        layers: indices of the layers to keep, e.g. ``[0, 10, 20, 29]``; no repeats.
 
     Returns:
-        A new model of the same class with ``num_hidden_layers = len(layers)``.
+        A new model of the same class with ``num_hidden_layers = len(layers)``, in eval mode, with
+        the target's generation config (EOS ids, pad id).
+
+    Raises:
+        ValueError: ``layers`` is empty, out of range or repeats an index.
     """
     n_layers = model.config.num_hidden_layers
     bad = [i for i in layers if not 0 <= i < n_layers]
@@ -128,6 +187,9 @@ def layer_pruned_copy(model: PreTrainedModel, layers: list[int]) -> PreTrainedMo
         raise ValueError(
             f"layers must be a non-empty list of indices in [0, {n_layers}); got {layers}"
         )
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers must not repeat an index; got {layers}")
+    layers = [int(i) for i in layers]
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = len(layers)
     if getattr(config, "layer_types", None) is not None:
@@ -142,13 +204,21 @@ def layer_pruned_copy(model: PreTrainedModel, layers: list[int]) -> PreTrainedMo
             if int(idx) not in layers:
                 continue
             name = f"{prefix}.layers.{layers.index(int(idx))}.{tail}"
-        new_state[name] = tensor.clone()
+        new_state[name] = tensor
+    # load_state_dict copies values into the draft's own parameters: no storage is shared.
     missing, unexpected = draft.load_state_dict(new_state, strict=False)
-    # Tied lm_head weights do not appear in the state dict; anything else missing is a bug.
+    # Tied lm_head weights may not appear in the state dict; anything else missing is a bug.
     missing = [m for m in missing if not m.endswith("lm_head.weight")]
     if missing or unexpected:
         raise RuntimeError(f"pruned copy: missing {missing}, unexpected {unexpected}")
     for i, layer in enumerate(draft.model.layers):
         if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
             layer.self_attn.layer_idx = i
+    out_w, in_w = draft.get_output_embeddings().weight, draft.get_input_embeddings().weight
+    if getattr(config, "tie_word_embeddings", False) and out_w is not in_w:
+        raise RuntimeError("pruned copy: the target ties its embeddings but the copy does not")
+    if not torch.equal(out_w, model.get_output_embeddings().weight):
+        raise RuntimeError("pruned copy: lm_head differs from the target's")
+    draft.generation_config = copy.deepcopy(model.generation_config)
+    draft.requires_grad_(True)
     return draft.to(next(model.parameters()).dtype).eval()

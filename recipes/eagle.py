@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import get_cosine_schedule_with_warmup
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
-    from draftsmith.train.data import build_dataset
+    from draftsmith.train.data import build_dataset, template_fingerprint
     from draftsmith.train.eagle_ttt import eagle1_loss, eagle3_ttt_loss
-    from draftsmith.train.hidden_states import feature_source
+    from draftsmith.train.hidden_states import CacheError, feature_source, process_state
     from draftsmith.train.runinfo import run_info, write_json_atomic
     from draftsmith.train.target import TargetError, load_target
     from draftsmith.train.vocab import coverage, draft_vocab, token_counts
@@ -183,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if not wandb.api.api_key:
             os.environ["WANDB_MODE"] = "offline"  # no key configured: keep the run on disk
+    # CPU processes need a CPU state before the Accelerator, or 2 CPU processes started by
+    # `accelerate launch` each believe they are alone (see process_state).
+    state = process_state()
     accelerator = Accelerator(
+        cpu=state.device.type == "cpu",
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision,
         log_with="wandb" if cfg.report_to == "wandb" else None,
@@ -222,9 +226,21 @@ def main(argv: list[str] | None = None) -> int:
                              max_length=cfg.max_length, pad_token_id=0)  # fmt: skip
         count_source = data
     else:
-        src = feature_source("offline", layers=layers, cache=cfg.hidden_states_cache,
-                             max_length=cfg.max_length,
-                             expect={"target_num_layers": num_layers})  # fmt: skip
+        # The cache must come from this target and template (error names each difference);
+        # stored bf16 features are computed on in the drafter's fp32.
+        expect = {
+            "num_layers": num_layers,
+            "hidden_size": target.config.hidden_size,
+            "vocab_size": target.config.vocab_size,
+            "template_fingerprint": template_fingerprint(tokenizer),
+        }
+        try:
+            src = feature_source("offline", layers=layers, cache=cfg.hidden_states_cache,
+                                 max_length=cfg.max_length, dtype=torch.float32,
+                                 expect=expect)  # fmt: skip
+        except (CacheError, OSError) as exc:
+            print(f"error: hidden_states_cache: {exc}", file=sys.stderr)
+            return 2
         count_source = cfg.hidden_states_cache
     n_all = len(src.dataset)
     # A fixed permutation splits train / validation the same way in every process and on resume.
@@ -274,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, int(cfg.warmup_ratio * total_steps), total_steps
     )
-    drafter, optimizer, loader, val_loader, scheduler = accelerator.prepare(
-        drafter, optimizer, loader, val_loader, scheduler
+    # The scheduler is stepped here once per optimizer step, not prepared: accelerate's wrapper
+    # steps it once per process, which would finish the schedule early on several processes.
+    drafter, optimizer, loader, val_loader = accelerator.prepare(
+        drafter, optimizer, loader, val_loader
     )
+    accelerator.register_for_checkpointing(scheduler)
     lm_head = target.get_output_embeddings()
 
     def loss_fn(batch):
@@ -322,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(params, cfg.max_grad_norm)
                 optimizer.step()
-                scheduler.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad()
             tokens_seen += int(batch["attention_mask"].sum())
             for key, value in metrics.items():
@@ -341,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 accelerator.log(logs, step=step)
                 history.append({"step": step, **logs})
                 bar.set_postfix(loss=f"{logs['train/loss']:.3f}",
-                                acc0=f"{logs.get('train/acc_0', float('nan')):.2f}")  # fmt: skip
+                                acc=f"{logs.get('train/acc_0', logs.get('train/acc', 0)):.2f}")  # fmt: skip
                 running, running_n = {}, 0
             if n_val and (step % cfg.eval_every == 0 or step == total_steps):
                 val = _validate(accelerator, drafter, val_loader, src, loss_fn)

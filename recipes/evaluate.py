@@ -155,9 +155,9 @@ def build_drafter(cfg: EvalConfig, spec: str, target):
 
         drafter = load_drafter(path, target)
         if kind == "eagle":
-            return EagleProposer(drafter, target)
+            return EagleProposer(drafter)
         return EagleProposer(
-            drafter, target, tree=True, topk=cfg.tree_topk, total_tokens=cfg.tree_total_tokens
+            drafter, tree=True, topk=cfg.tree_topk, total_tokens=cfg.tree_total_tokens
         )
     if kind in ("medusa", "medusa-tree"):
         from draftsmith.heads.medusa import medusa_proposer

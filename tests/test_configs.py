@@ -6,12 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.recipes.distill import DistillConfig
 from draftsmith.recipes.eagle import EagleTrainConfig
 from draftsmith.recipes.evaluate import EvalConfig
+from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.train.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
-CLASSES = {"evaluate": EvalConfig, "eagle": EagleTrainConfig}
+CLASSES = {
+    "evaluate": EvalConfig,
+    "eagle": EagleTrainConfig,
+    "medusa": MedusaConfig,
+    "distill": DistillConfig,
+}
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)

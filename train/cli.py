@@ -22,6 +22,31 @@ def _evaluate(argv: list[str]) -> int:
     return main(argv)
 
 
+def _export(argv: list[str]) -> int:
+    from draftsmith.train.export import main
+
+    return main(argv)
+
+
+TRAIN_RECIPES = {
+    "eagle": ("draftsmith.recipes.eagle", "EAGLE-1 / EAGLE-3 drafter on the target's features"),
+    "medusa": ("draftsmith.recipes.medusa", "Medusa-1 / Medusa-2 heads on the target"),
+    "distill": ("draftsmith.recipes.distill", "a small draft LM distilled from the target"),
+}
+
+
+def _train(argv: list[str]) -> int:
+    """``draftsmith train RECIPE ...`` = ``python recipes/RECIPE.py ...`` (same flags)."""
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in TRAIN_RECIPES:
+        lines = ["usage: draftsmith train <recipe> [--config FILE] [options]", "", "recipes:"]
+        lines += [f"  {name:<10} {text}" for name, (_, text) in TRAIN_RECIPES.items()]
+        print("\n".join(lines), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    return importlib.import_module(TRAIN_RECIPES[argv[0]][0]).main(argv[1:])
+
+
 DATA_COMMANDS = {
     "tokenize": (
         "draftsmith.train.data",
@@ -89,10 +114,12 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "quickstart": (_quickstart, "the main job end to end on the default target (start here)"),
     "prepare-target": (_prepare_target, "convert/cache a target model (default: SmolLM2-135M)"),
     "data": (_data, "data stages: distill, tokenize, cache (hidden states), vocab"),
+    "train": (_train, "train a drafter: eagle, medusa or distill (the recipes/ files)"),
     "evaluate": (
         _evaluate,
         "plain vs speculative decoding on a prompt set: τ, speedup, losslessness",
     ),
+    "export": (_export, "write a drafter for vLLM / SGLang / HF (speculators, eagle3, ...)"),
 }
 
 

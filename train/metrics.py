@@ -73,6 +73,7 @@ def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative deco
             keys; baseline keys optional).
         title: table title.
     """
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
@@ -93,7 +94,7 @@ def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative deco
     for r in rows:
         identical = r.get("identical_to_target")
         table.add_row(
-            str(r["method"]),
+            escape(str(r["method"])),  # method names may hold paths with "[...]" in them
             str(r["k"]),
             str(r["num_prompts"]),
             str(r["new_tokens"]),

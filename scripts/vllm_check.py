@@ -1,0 +1,442 @@
+"""Check that vLLM serves a speculative config losslessly, and measure τ there.
+
+Runs INSIDE the separate vLLM venv (see ``docs/serving.md``); it imports only the standard
+library, vLLM and what vLLM itself depends on (transformers for the chat template), never
+draftsmith, so it checks exactly what a user of our exports gets.
+
+For the same prompts it decodes greedily (temperature 0) twice, each in its own subprocess
+(an ``LLM`` object does not give its memory back reliably, and two in one process can clash):
+
+* ``plain``: the target alone;
+* ``spec``: the target with ``--method`` (``ngram``, ``draft_model``, ``eagle``, ``eagle3``,
+  ``medusa``) and ``--draft``.
+
+It then checks that every prompt's output tokens are identical, and reports vLLM's own
+speculative-decoding counters (``LLM.get_metrics()``):
+
+* ``vllm:spec_decode_num_drafts``: verification steps in which the drafter proposed at least one
+  token (the scheduler calls ``SpecDecodingStats.observe_draft`` only when a request had draft
+  tokens, ``vllm/v1/core/sched/scheduler.py``);
+* ``vllm:spec_decode_num_accepted_tokens``: accepted draft tokens, bonus token NOT included;
+* ``vllm:spec_decode_num_accepted_tokens_per_pos``: accepted count per draft position.
+
+From them, with the names of ``docs/metrics.md``:
+
+* ``acceptance_length_per_draft`` = 1 + accepted / drafts (vLLM's "mean acceptance length");
+* ``acceptance_rate_per_position[i]`` = accepted_per_pos[i] / drafts (α_i, not conditional);
+* ``acceptance_length`` (τ) = new tokens / target forwards, prefill included: every forward
+  emits its accepted tokens + 1, so forwards = new tokens - accepted. Approximate where a step's
+  accepted tokens ran past ``--max-new-tokens`` or EOS (vLLM counts them, the output drops them).
+
+Prompts are decoded one at a time (batch size 1, the setting our own loop measures), so
+``tokens_per_second`` is single-stream speed, prefill included; ``speedup`` divides it by the
+plain run's. Both runs are fp32 with ``enforce_eager=True``.
+
+Usage (the venv's python; a speculators-format export needs only ``--draft``)::
+
+    /work/venvs/vllm/bin/python scripts/vllm_check.py --method ngram --k 3 \\
+        --prompts ../shared/data/alpaca_2k.jsonl --limit 4 --out /tmp/ngram.json
+    /work/venvs/vllm/bin/python scripts/vllm_check.py --method eagle3 --draft out/export \\
+        --k 3 --prompts ../shared/data/alpaca_2k.jsonl --split heldout --limit 20
+
+Exit status: 0 when every output is identical, 1 when some differ, 2 on a usage error; a
+failed vLLM run raises (its log is on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "medusa")
+NEEDS_DRAFT = ("draft_model", "eagle", "eagle3", "medusa")
+DEFAULT_TARGET = "~/.cache/draftsmith/targets/smollm2-135m-instruct"
+HELDOUT_MODULUS = 10  # shared/data convention: id % 10 == 9 is held out
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--target", default=DEFAULT_TARGET, help="target model (HF directory)")
+    ap.add_argument("--method", choices=METHODS, default="ngram", help="speculative method")
+    ap.add_argument("--draft", default=None, help="draft/export directory (not for ngram/none)")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--prompts", default=None, help="prompt JSONL (chat/alpaca/prompt records)")
+    ap.add_argument(
+        "--split",
+        choices=("all", "heldout", "train"),
+        default="all",
+        help="keep records of this split: their 'split' field, else integer ids with "
+        "heldout = id %% 10 == 9 (shared/data convention), train = the rest",
+    )
+    ap.add_argument("--limit", type=int, default=4, help="number of prompts (0 = all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=512,
+        help="KV cache size; set explicitly because on CPU vLLM otherwise reserves a fraction "
+        "of the NUMA node's memory and refuses to start when that much is not free",
+    )
+    ap.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min (ngram)")
+    ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (ngram)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per vLLM run")
+    ap.add_argument("--out", default=None, help="results JSON (default: print only)")
+    # Internal: one vLLM run in this process (the parent starts two of these).
+    ap.add_argument("--phase", choices=("plain", "spec"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--phase-in", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--phase-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.target = str(Path(os.path.expanduser(args.target)))
+    if args.method in NEEDS_DRAFT and not args.draft:
+        ap.error(f"--method {args.method} needs --draft")
+    if args.draft:
+        args.draft = str(Path(os.path.expanduser(args.draft)).resolve())
+    if args.k < 1:
+        ap.error("--k must be >= 1")
+    if args.phase is None and not args.prompts:
+        ap.error("--prompts is required")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts: records -> chat messages -> token ids (rendered once, in the parent, so both runs
+# decode exactly the same ids).
+
+
+def record_messages(obj: dict) -> list[dict]:
+    """Chat messages up to and including the last user turn of one record.
+
+    Accepts the shapes of ``train/data.py``: ``messages``, ``conversations`` (ShareGPT),
+    ``instruction``/``input`` (Alpaca: instruction, blank line, input when the input is not
+    blank), ``prompt``/``system``, and ``text`` (sent as one user turn).
+    """
+    if "messages" in obj:
+        msgs = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
+    elif "conversations" in obj:
+        roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+        roles["system"] = "system"
+        msgs = [{"role": roles[m["from"]], "content": m["value"]} for m in obj["conversations"]]
+    elif "instruction" in obj:
+        user = obj["instruction"]
+        extra = obj.get("input") or ""
+        if extra.strip():
+            user = f"{user}\n\n{extra}"
+        msgs = [{"role": "user", "content": user}]
+    elif "prompt" in obj:
+        msgs = []
+        if (obj.get("system") or "").strip():
+            msgs.append({"role": "system", "content": obj["system"]})
+        msgs.append({"role": "user", "content": obj["prompt"]})
+    elif "text" in obj:
+        msgs = [{"role": "user", "content": obj["text"]}]
+    else:
+        raise ValueError(f"unknown record shape, fields: {sorted(obj)}")
+    last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("record has no user turn")
+    return msgs[: last_user + 1]
+
+
+def load_prompts(path: str, split: str, limit: int) -> list[dict]:
+    """Read ``limit`` records of ``split`` as ``{"id", "messages"}``."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            rid = obj.get("id", f"{path}:{lineno}")
+            if split != "all":
+                # An explicit "split" field wins (the project's prompt set); else the id rule.
+                rec_split = obj.get("split")
+                if rec_split is None and isinstance(rid, int):
+                    held = rid % HELDOUT_MODULUS == HELDOUT_MODULUS - 1
+                    rec_split = "heldout" if held else "train"
+                if rec_split != split:
+                    continue
+            out.append({"id": rid, "messages": record_messages(obj)})
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise ValueError(f"no prompts of split {split!r} in {path}")
+    return out
+
+
+def render_prompts(target: str, prompts: list[dict]) -> list[dict]:
+    """Apply the target tokenizer's chat template (generation prompt added) and tokenize."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    for p in prompts:
+        text = tok.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
+        # The template already holds every special token it wants; adding BOS again would
+        # change the prompt relative to what the chat template defines.
+        p["prompt_token_ids"] = tok(text, add_special_tokens=False)["input_ids"]
+    return prompts
+
+
+# ----------------------------------------------------------------------------------------------
+# One vLLM run (in a child process).
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """The ``speculative_config`` dict vLLM's ``LLM`` takes for ``args.method``."""
+    if args.method == "none":
+        return None
+    cfg: dict = {"method": args.method, "num_speculative_tokens": args.k}
+    if args.method == "ngram":
+        cfg["prompt_lookup_min"] = args.ngram_min
+        cfg["prompt_lookup_max"] = args.ngram_max
+    else:
+        cfg["model"] = args.draft
+    return cfg
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count vectors (the shorter one padded with zeros)."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def read_spec_metrics(llm) -> dict:
+    """Sum vLLM's speculative-decoding counters over engines (labels) from ``get_metrics``."""
+    out: dict = {name: 0 for name in SPEC_COUNTERS}
+    per_pos: list[int] = []
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name] += int(m.value)
+        elif m.name == PER_POS:
+            per_pos = _add(per_pos, list(m.values))
+    out[PER_POS] = per_pos
+    return out
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    """Load vLLM once, decode every prompt one at a time, write tokens, timings and metrics."""
+    from vllm import LLM, SamplingParams
+
+    prompts = json.loads(Path(args.phase_in).read_text())
+    spec = speculative_config(args) if args.phase == "spec" else None
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.target,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_mb * 2**20,
+        speculative_config=spec,
+        disable_log_stats=False,  # get_metrics() needs the stat loggers
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    # Warm-up (not timed): the first request pays one-off kernel and allocator costs.
+    llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"]}], params, use_tqdm=False)
+    before = read_spec_metrics(llm)
+    results = []
+    total_s = 0.0
+    for p in prompts:
+        t = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p["prompt_token_ids"]}], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        total_s += dt
+        comp = out[0].outputs[0]
+        results.append(
+            {
+                "id": p["id"],
+                "output_ids": list(comp.token_ids),
+                "text": comp.text,
+                "finish_reason": comp.finish_reason,
+                "seconds": dt,
+            }
+        )
+    after = read_spec_metrics(llm)
+    metrics = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    metrics[PER_POS] = _add(after[PER_POS], [-c for c in before[PER_POS]])
+    new_tokens = sum(len(r["output_ids"]) for r in results)
+    Path(args.phase_out).write_text(
+        json.dumps(
+            {
+                "phase": args.phase,
+                "speculative_config": spec,
+                "load_seconds": load_s,
+                "generate_seconds": total_s,
+                "new_tokens": new_tokens,
+                "tokens_per_second": new_tokens / total_s if total_s > 0 else None,
+                "metrics": metrics,
+                "per_prompt": results,
+            }
+        )
+    )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent: render prompts, run both phases, compare, report.
+
+
+def spawn_phase(args: argparse.Namespace, phase: str, prompts_file: str, out_file: str) -> dict:
+    """Run ``phase`` in a fresh interpreter (vLLM frees its engine reliably only on exit)."""
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--phase",
+        phase,
+        "--phase-in",
+        prompts_file,
+        "--phase-out",
+        out_file,
+        "--target",
+        args.target,
+        "--method",
+        args.method,
+        "--k",
+        str(args.k),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--kv-cache-mb",
+        str(args.kv_cache_mb),
+        "--ngram-min",
+        str(args.ngram_min),
+        "--ngram-max",
+        str(args.ngram_max),
+    ]
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    print(f"[vllm_check] {phase}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, timeout=args.timeout, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM {phase} run failed with exit status {proc.returncode}")
+    return json.loads(Path(out_file).read_text())
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def summarize(plain: dict, spec: dict | None, k: int) -> dict:
+    """Compare outputs and turn vLLM's counters into τ, α_i and speedup."""
+    summary: dict = {"baseline_tokens_per_second": plain["tokens_per_second"]}
+    if spec is None:
+        return summary
+    mismatches = []
+    for p, s in zip(plain["per_prompt"], spec["per_prompt"], strict=True):
+        d = first_difference(p["output_ids"], s["output_ids"])
+        if d is not None:
+            mismatches.append(
+                {
+                    "id": p["id"],
+                    "first_difference": d,
+                    "baseline_output_ids": p["output_ids"],
+                    "output_ids": s["output_ids"],
+                }
+            )
+    m = spec["metrics"]
+    drafts = m["vllm:spec_decode_num_drafts"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = m[PER_POS] or [0] * k
+    new_tokens = spec["new_tokens"]
+    forwards = new_tokens - accepted  # each forward emits its accepted tokens + 1
+    summary.update(
+        {
+            "identical_to_target": not mismatches,
+            "mismatches": mismatches,
+            "tokens_per_second": spec["tokens_per_second"],
+            "speedup": (
+                spec["tokens_per_second"] / plain["tokens_per_second"]
+                if spec["tokens_per_second"] and plain["tokens_per_second"]
+                else None
+            ),
+            "acceptance_length": new_tokens / forwards if forwards > 0 else None,
+            "acceptance_length_per_draft": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate_per_position": [a / drafts for a in per_pos] if drafts else None,
+            "num_drafts": drafts,
+            "num_draft_tokens": m["vllm:spec_decode_num_draft_tokens"],
+            "num_accepted_tokens": accepted,
+            "new_tokens": new_tokens,
+        }
+    )
+    return summary
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for mod in ("vllm", "torch", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # report, don't fail: this is metadata
+            out[mod] = f"unavailable: {e}"
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.phase is not None:
+        return run_phase(args)
+
+    prompts = render_prompts(args.target, load_prompts(args.prompts, args.split, args.limit))
+    with tempfile.TemporaryDirectory(prefix="vllm_check_") as tmp:
+        prompts_file = os.path.join(tmp, "prompts.json")
+        Path(prompts_file).write_text(json.dumps(prompts))
+        plain = spawn_phase(args, "plain", prompts_file, os.path.join(tmp, "plain.json"))
+        spec = None
+        if args.method != "none":
+            spec = spawn_phase(args, "spec", prompts_file, os.path.join(tmp, "spec.json"))
+
+    summary = summarize(plain, spec, args.k)
+    result = {
+        "command": [sys.executable, *sys.argv],
+        "versions": versions(),
+        "settings": {
+            "target": args.target,
+            "method": args.method,
+            "draft": args.draft,
+            "k": args.k,
+            "prompts": args.prompts,
+            "split": args.split,
+            "num_prompts": len(prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "dtype": "float32",
+            "enforce_eager": True,
+            "temperature": 0.0,
+            "batch_size": 1,
+        },
+        **summary,
+        "plain": plain,
+        "spec": spec,
+    }
+    brief = {k: v for k, v in summary.items() if k != "mismatches"}
+    print(json.dumps(brief, indent=2))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_out = out.with_name(out.name + ".tmp")
+        tmp_out.write_text(json.dumps(result, indent=2))
+        os.replace(tmp_out, out)
+    return 0 if summary.get("identical_to_target", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""recipes/distill.py end to end on a tiny target: train, validate, checkpoint, resume, save."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.recipes.distill import (
+    DistillConfig,
+    is_on_policy_step,
+    latest_checkpoint,
+    main,
+    on_policy_batch,
+)
+from draftsmith.train.hidden_states import collate_hidden_states
+from tests.conftest import byte_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "to", "see", "dog",
+         "who", "was", "red", "blue", "tall"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator (the state is a process-wide singleton)."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def write_chat(path: Path, n: int = 24) -> Path:
+    """``n`` short chat records (messages shape, integer ids: id % 10 == 9 is held out)."""
+    g = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for i in range(n):
+            pick = torch.randint(0, len(WORDS), (14,), generator=g).tolist()
+            user = " ".join(WORDS[j] for j in pick[:5])
+            answer = " ".join(WORDS[j] for j in pick[5:])
+            msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
+    return path
+
+
+def tied_target_dir(path: Path) -> Path:
+    """A tiny target whose lm_head is its input embedding (as in SmolLM2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         initializer_range=0.1, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def base_args(tmp_path: Path, target_dir: Path, out: str, *extra: str) -> list[str]:
+    return ["--target", str(target_dir), "--data", str(write_chat(tmp_path / "chat.jsonl")),
+            "--output-dir", str(tmp_path / out), "--draft-layers", "0", "--batch-size", "4",
+            "--lr", "1e-2", "--warmup-ratio", "0", "--val-fraction", "0.2", "--log-every", "1",
+            "--no-progress", "--threads", "1", "--seed", "3", *extra]  # fmt: skip
+
+
+def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    argv = base_args(tmp_path, tiny_target_dir, "run", "--max-steps", "8", "--eval-every", "4",
+                     "--save-every", "4", "--keep-checkpoints", "1", "--loss", "tvd")  # fmt: skip
+    assert main(argv) == 0
+    out = tmp_path / "run"
+    metrics = json.loads((out / "metrics.json").read_text())
+    val = metrics["validation"]
+    assert metrics["steps"] == 8 and metrics["val_records"] == 4  # 20% of the 22 train records
+    assert val["after"]["expected_acceptance"] > val["before"]["expected_acceptance"]
+    assert [h["step"] for h in val["history"]] == [4, 8]
+    assert 0 < metrics["compute_ratio"] < 1
+    # Only the newest checkpoint is kept; the draft loads as a plain HF model with tokenizer.
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_8"]
+    draft = AutoModelForCausalLM.from_pretrained(out / "draft")
+    assert draft.config.num_hidden_layers == 1
+    assert (out / "draft" / "tokenizer.json").is_file()
+    card = (out / "draft" / "README.md").read_text()
+    assert str(tiny_target_dir) in card and f"{val['after']['expected_acceptance']:.4f}" in card
+
+
+def test_resume_continues_exactly_where_it_paused(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    # A tied target (like SmolLM2): checkpoints and the saved draft must keep the tie.
+    tiny_target_dir = tied_target_dir(tmp_path / "tied")
+    # 2 epochs of 5 batches + gradient accumulation 2: the pause lands mid-epoch.
+    common = ["--max-steps", "6", "--gradient-accumulation-steps", "2", "--save-every", "0",
+              "--eval-every", "0"]  # fmt: skip
+    assert main(base_args(tmp_path, tiny_target_dir, "straight", *common, "--no-resume")) == 0
+    paused = base_args(tmp_path, tiny_target_dir, "paused", *common)
+    assert main([*paused, "--stop-after-steps", "4"]) == 0
+    ckpt = latest_checkpoint(tmp_path / "paused")
+    assert ckpt is not None and ckpt.name == "step_4"
+    assert not (tmp_path / "paused" / "draft").exists()  # paused: no final draft yet
+    assert main(paused) == 0
+    a = load_file(tmp_path / "straight" / "draft" / "model.safetensors")
+    b = load_file(tmp_path / "paused" / "draft" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert json.loads((tmp_path / "paused" / "metrics.json").read_text())["steps"] == 6
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "paused" / "draft")
+    assert draft.lm_head.weight is draft.model.embed_tokens.weight
+
+
+def test_on_policy_schedule_and_batch(tiny_target_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert [is_on_policy_step(s, 0.25) for s in range(8)] == [False, False, False, True] * 2
+    assert not any(is_on_policy_step(s, 0.0) for s in range(10))
+    assert all(is_on_policy_step(s, 1.0) for s in range(10))
+    draft = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    samples = [
+        {"input_ids": torch.tensor([5, 6, 7, 8, 9]), "loss_mask": torch.tensor([0, 0, 1, 1, 1])},
+        {"input_ids": torch.tensor([1, 2, 3, 4]), "loss_mask": torch.tensor([0, 0, 0, 1])},
+    ]
+    batch = collate_hidden_states(samples, pad_token_id=0)
+    cfg = DistillConfig(data="x", on_policy_max_new_tokens=6, on_policy_temperature=0.0)
+    new = on_policy_batch(draft, batch, cfg, pad_id=0, eos_ids=[])
+    # Prompts kept (up to the first supervised token), then 6 greedy draft tokens, supervised.
+    assert new["input_ids"][0, :2].tolist() == [5, 6]
+    assert new["input_ids"][1, :3].tolist() == [1, 2, 3]
+    assert new["loss_mask"][0].tolist() == [0, 0] + [1] * 6 + [0]
+    assert new["loss_mask"][1].tolist() == [0, 0, 0] + [1] * 6
+    greedy = draft.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
+    assert new["input_ids"][1].tolist() == greedy[0].tolist()
+    # A whole run with half of the steps on-policy.
+    argv = base_args(tmp_path, tiny_target_dir, "op", "--max-steps", "2", "--on-policy-fraction",
+                     "0.5", "--on-policy-max-new-tokens", "8", "--save-every", "0")  # fmt: skip
+    assert main(argv) == 0
+    assert (tmp_path / "op" / "draft" / "model.safetensors").is_file()
+
+
+def test_bad_inputs_exit_2(tmp_path, tiny_target_dir, capsys):
+    assert main(["--data", str(tmp_path / "nope.jsonl"), "--target", str(tiny_target_dir),
+                 "--output-dir", str(tmp_path / "o")]) == 2  # fmt: skip
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert main(["--lr", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "lr: must be > 0" in err and "data: required" in err
+    argv = base_args(tmp_path, tiny_target_dir, "o2", "--draft-layers", "7")
+    assert main(argv) == 2
+    assert "indices in [0, 4)" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    accelerate = shutil.which("accelerate") or "accelerate"
+    try:
+        return subprocess.run(
+            [accelerate, "launch", "--config_file", str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
+             "--main_process_port", str(_free_port()), str(REPO / "recipes/distill.py"), *args],
+            capture_output=True, text=True, timeout=300, cwd=cwd,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"")[-3000:], (exc.stderr or b"")[-3000:]
+        pytest.fail(f"accelerate launch timed out after 300 s; output tail: {out}")
+
+
+@pytest.mark.integration
+def test_two_cpu_processes_complete_and_resume(tmp_path, tiny_target_dir):
+    """accelerate launch, 2 CPU processes: pause at a checkpoint, resume, finish, save once."""
+    argv = base_args(tmp_path, tiny_target_dir, "ddp", "--max-steps", "4", "--save-every", "2",
+                     "--eval-every", "2", "--report-to", "wandb")  # fmt: skip
+    first = _launch(*argv, "--stop-after-steps", "2", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert latest_checkpoint(tmp_path / "ddp").name == "step_2"
+    second = _launch(*argv, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step_2" in second.stdout
+    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["steps"] == 4
+    val = metrics["validation"]
+    assert val["after"]["expected_acceptance"] > val["before"]["expected_acceptance"]
+    assert (tmp_path / "ddp" / "draft" / "model.safetensors").is_file()
+
+
+def test_pretokenized_data_dir(tmp_path, tiny_target_dir):
+    """A directory saved by `draftsmith data tokenize` trains like the conversations it came from."""
+    from draftsmith.train.data import main_tokenize
+
+    chat = write_chat(tmp_path / "chat.jsonl")
+    tokenized = tmp_path / "tok"
+    assert main_tokenize(["--input", str(chat), "--output", str(tokenized), "--target",
+                          str(tiny_target_dir), "--split", "train"]) == 0  # fmt: skip
+    argv = base_args(tmp_path, tiny_target_dir, "tok_run", "--max-steps", "2", "--save-every", "0")
+    argv[argv.index("--data") + 1] = str(tokenized)
+    assert main(argv) == 0
+    metrics = json.loads((tmp_path / "tok_run" / "metrics.json").read_text())
+    assert metrics["train_records"] + metrics["val_records"] == 22  # the 22 train-split records
+
+
+def test_time_budget_ends_training_with_a_saved_draft(tmp_path, tiny_target_dir):
+    argv = base_args(tmp_path, tiny_target_dir, "budget", "--max-steps", "50", "--max-minutes",
+                     "1e-6", "--save-every", "0")  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((tmp_path / "budget" / "metrics.json").read_text())
+    assert metrics["steps"] == 1 and metrics["total_steps"] == 50
+    assert (tmp_path / "budget" / "draft" / "model.safetensors").is_file()

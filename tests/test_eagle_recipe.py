@@ -1,0 +1,143 @@
+"""recipes/eagle.py end to end on a tiny target: train, save, resume, evaluate; 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from draftsmith.heads.eagle import load_drafter
+from draftsmith.recipes.eagle import main as train_eagle
+from draftsmith.recipes.evaluate import main as evaluate
+from draftsmith.train.target import load_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "and",
+    "then",
+    "it",
+    "ran",
+    "to",
+    "the",
+    "red",
+    "barn",
+    "where",
+    "a",
+    "dog",
+    "slept",
+]
+
+
+def write_records(path: Path, n: int = 24) -> Path:
+    """Alpaca-shape chat records with repetitive answers (learnable in a few steps)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            answer = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(12))
+            f.write(json.dumps({"id": i, "instruction": f"say {i}", "output": answer}) + "\n")
+    return path
+
+
+def base_args(tmp_path, target_dir, version: int, **over) -> list[str]:
+    args = {
+        "version": version,
+        "target": target_dir,
+        "data": write_records(tmp_path / "data.jsonl"),
+        "split": "train",
+        "max_length": 96,
+        "batch_size": 2,
+        "grad_accum": 2,
+        "max_steps": 6,
+        "draft_vocab_size": 64,
+        "ttt_steps": 3,
+        "val_samples": 4,
+        "eval_every": 3,
+        "log_every": 2,
+        "save_every": 3,
+        "lr": 3e-3,
+        "output_dir": tmp_path / "run",
+        "threads": 1,
+    }
+    args.update(over)
+    return [x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir, version):
+    assert train_eagle(base_args(tmp_path, tiny_target_dir, version)) == 0
+    run = tmp_path / "run"
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["stop_reason"] == "done"
+    assert metrics["train_samples"] == 22 - 4  # 24 records; split train drops ids 9 and 19
+    val = metrics["final_validation"]
+    acc = val["val/acc_0"] if version == 3 else val["val/acc"]  # EAGLE-1 has one step
+    assert val["val/loss"] > 0 and 0 <= acc <= 1
+    target, _ = load_target(str(tiny_target_dir))
+    drafter = load_drafter(run / "drafter", target)
+    assert drafter.config.version == version
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_6"]
+
+    # Resume: ask for more steps; the run continues from step 6, not from scratch.
+    assert train_eagle(base_args(tmp_path, tiny_target_dir, version, max_steps=8)) == 0
+    resumed = json.loads((run / "training_metrics.json").read_text())
+    assert resumed["steps"] == 8
+    assert resumed["train_log"][0]["step"] > 6
+
+    # The trained drafter plugs into the evaluation; greedy output stays the target's own.
+    out = tmp_path / "eval.json"
+    spec = "eagle=" + str(run / "drafter")
+    assert evaluate(["--target", str(tiny_target_dir), "--drafter", spec, "eagle-tree=" +
+                     str(run / "drafter"), "--k", "3", "--max-new-tokens", "12", "--limit", "2",
+                     "--out", str(out)]) == 0  # fmt: skip
+    res = json.loads(out.read_text())
+    assert all(m["identical_to_target"] for m in res["methods"])
+
+
+def test_recipe_config_errors_name_every_field(tmp_path, tiny_target_dir, capsys):
+    args = base_args(tmp_path, tiny_target_dir, 3, batch_size=0, ttt_decay=1.5)
+    assert train_eagle(args) == 2
+    err = capsys.readouterr().err
+    assert "batch_size" in err and "ttt_decay" in err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
+    """accelerate launch with 2 CPU processes: the run completes, then resumes from its checkpoint."""
+    accelerate = shutil.which("accelerate") or "accelerate"
+    config = REPO / "recipes/accelerate/cpu_2proc.yaml"
+
+    def launch(**over):
+        return subprocess.run(
+            [accelerate, "launch", "--config_file", str(config), "--main_process_port",
+             str(_free_port()), str(REPO / "recipes/eagle.py"),
+             *base_args(tmp_path, tiny_target_dir, 3, **over)],
+            capture_output=True, text=True, timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+
+    proc = launch(max_steps=4, save_every=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["steps"] == 4
+    proc = launch(max_steps=6, save_every=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["train_log"][0]["step"] > 4

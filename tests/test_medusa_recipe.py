@@ -1,0 +1,226 @@
+"""recipes/medusa.py end to end on a tiny target: Medusa-1 (online/offline), Medusa-2, 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.heads.medusa import load_medusa, medusa_proposer, medusa_target_dir
+from draftsmith.recipes.medusa import MedusaConfig
+from draftsmith.recipes.medusa import main as train_medusa
+from draftsmith.train.config import ConfigError, load_config
+from draftsmith.train.speculative import generate
+from draftsmith.train.target import load_target
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "and",
+    "then",
+    "it",
+    "ran",
+    "to",
+    "the",
+    "red",
+    "barn",
+    "where",
+    "a",
+    "dog",
+    "slept",
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each in-process run builds its own Accelerator (accelerate keeps process-wide state)."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def write_records(path: Path, n: int = 24) -> Path:
+    """Chat records with repetitive answers (learnable in a few steps)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            answer = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(12))
+            msgs = [{"role": "user", "content": f"say {i}"},
+                    {"role": "assistant", "content": answer}]  # fmt: skip
+            f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
+    return path
+
+
+def args(tmp_path, target_dir, **over) -> list[str]:
+    values = {
+        "target": target_dir,
+        "data": write_records(tmp_path / "data.jsonl"),
+        "split": "all",
+        "max_length": 96,
+        "batch_size": 2,
+        "grad_accum": 2,
+        "max_steps": 4,
+        "num_heads": 3,
+        "val_samples": 4,
+        "log_every": 2,
+        "save_every": 2,
+        "lr": 3e-3,
+        "tree_nodes": 8,
+        "output_dir": tmp_path / "run",
+        "threads": 1,
+        "progress": False,
+    }
+    values.update(over)
+    argv = []
+    for key, value in values.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
+def test_config_errors_name_every_field(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(MedusaConfig, overrides={
+            "num_heads": "0", "lr": "-1", "head_decay": "1.5", "hidden_states": "offline",
+            "stage": "medusa2", "warmup_ratio": "1", "lora_dropout": "1",
+        })  # fmt: skip
+    fields = {f for f, _ in err.value.problems}
+    assert fields == {"num_heads", "lr", "head_decay", "hidden_states_cache", "hidden_states",
+                      "warmup_ratio", "lora_dropout"}  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        load_config(MedusaConfig, overrides={"head_labels": "teacher", "stage": "medusa3"})
+    assert {f for f, _ in err.value.problems} == {"head_labels", "stage", "data"}
+    assert train_medusa(["--num-heads", "0", "--output-dir", str(tmp_path)]) == 2
+
+
+def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, capsys):
+    assert train_medusa(args(tmp_path, tiny_target_dir)) == 0
+    run = tmp_path / "run"
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["steps"] == 4 and metrics["resumed_from"] is None
+    assert [e["step"] for e in metrics["train_log"]] == [2, 4]
+    assert {f"train/head{k}_top5" for k in range(3)} <= metrics["train_log"][0].keys()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    acc = json.loads((run / "heads" / "head_accuracy.json").read_text())
+    assert len(acc["rank_accuracy"]) == 3 and acc["tree"]["nodes"] == 8
+    assert acc["val_samples"] == 4 and all(n > 0 for n in acc["positions"])
+    heads = load_medusa(run / "heads")
+    assert heads.num_heads == 3 and medusa_target_dir(run / "heads") is None
+
+    # Continue from step 4 to 6 (resume is the default); the result is a new final save.
+    assert train_medusa(args(tmp_path, tiny_target_dir, max_steps=6)) == 0
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["resumed_from"] == 4
+    assert [e["step"] for e in metrics["train_log"]] == [6]
+    assert not torch.equal(load_medusa(run / "heads").blocks[0].layers[0].weight,
+                           heads.blocks[0].layers[0].weight)  # fmt: skip
+    # Without resume, a finished run is not overwritten by accident.
+    assert train_medusa(args(tmp_path, tiny_target_dir, resume=False)) == 1
+    assert "already holds a Medusa run" in capsys.readouterr().err
+
+    target, _ = load_target(tiny_target_dir)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    plain = generate(target, prompt, None, max_new_tokens=24)
+    for tree in (False, True):
+        proposer = medusa_proposer(run / "heads", target, tree=tree)
+        assert (proposer.choices is not None) == tree
+        assert generate(target, prompt, proposer, k=3, max_new_tokens=24).tokens == plain.tokens
+
+
+def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
+    from draftsmith.recipes.medusa import load_tokens
+    from draftsmith.train.hidden_states import build_cache
+
+    assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
+    cfg = load_config(MedusaConfig, overrides={"data": tmp_path / "data.jsonl", "split": "all",
+                                               "max_length": 96})  # fmt: skip
+    target, tokenizer = load_target(tiny_target_dir)
+    from draftsmith.train.data import template_fingerprint
+
+    build_cache(target, load_tokens(cfg, tokenizer), tmp_path / "cache", [4], dtype="fp32",
+                template_fingerprint=template_fingerprint(tokenizer), progress=False)  # fmt: skip
+    offline = args(tmp_path, tiny_target_dir, save_every=0, hidden_states="offline",
+                   hidden_states_cache=tmp_path / "cache", output_dir=tmp_path / "off")  # fmt: skip
+    assert train_medusa(offline) == 0
+    on, off = load_medusa(tmp_path / "run" / "heads"), load_medusa(tmp_path / "off" / "heads")
+    for (name, a), b in zip(on.state_dict().items(), off.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_medusa2_writes_the_merged_target(tmp_path, tiny_target_dir):
+    argv = args(tmp_path, tiny_target_dir, stage="medusa2", max_steps=5, heads_warmup_steps=2,
+                lora_r=4, lr=1e-2, save_every=0)  # fmt: skip
+    assert train_medusa(argv) == 0
+    run = tmp_path / "run"
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["train_log"][0]["train/target_loss"] == 0.0  # steps 1-2: heads only
+    assert metrics["train_log"][-1]["train/target_loss"] > 0.0
+    merged_dir = medusa_target_dir(run / "heads")
+    assert merged_dir == (run / "target").resolve()
+    merged, _ = load_target(merged_dir)
+    original, _ = load_target(tiny_target_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[q], original.state_dict()[q])
+    # The heads go with the fine-tuned target; the original is refused.
+    with pytest.raises(ValueError, match="evaluate them with that target"):
+        medusa_proposer(run / "heads", original)
+    prompt = torch.tensor([[9, 10, 11]])
+    plain = generate(merged, prompt, None, max_new_tokens=20)
+    proposer = medusa_proposer(run / "heads", merged, tree=True)
+    assert generate(merged, prompt, proposer, k=3, max_new_tokens=20).tokens == plain.tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess:
+    accelerate = shutil.which("accelerate") or "accelerate"
+    return subprocess.run(
+        [accelerate, "launch", "--config_file", str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
+         "--main_process_port", str(_free_port()), str(REPO / "recipes/medusa.py"), *argv],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.integration
+def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
+    argv = args(tmp_path, tiny_target_dir, report_to="wandb")
+    env_mode = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "offline"
+    try:
+        proc = _launch(*argv)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+        assert metrics["processes"] == 2 and metrics["steps"] == 4
+        proc = _launch(*args(tmp_path, tiny_target_dir, max_steps=6))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    finally:
+        if env_mode is None:
+            os.environ.pop("WANDB_MODE", None)
+        else:
+            os.environ["WANDB_MODE"] = env_mode
+    assert "resumed from" in proc.stdout
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["resumed_from"] == 4 and metrics["processes"] == 2
+    # Validation counts were summed over both processes (each took half the samples).
+    assert sum(metrics["validation"]["positions"]) > 0
+    assert list((tmp_path / "run").glob("wandb/offline-run-*")), "W&B offline run missing"

@@ -1,0 +1,161 @@
+"""vLLM serves our exports losslessly (scripts/vllm_check.py in the separate vLLM venv).
+
+Deselected by default (``-m vllm`` runs them). Needs:
+
+* the vLLM venv (``/work/venvs/vllm``, or its python in ``DRAFTSMITH_VLLM_PYTHON``), set up as
+  described in ``docs/serving.md``;
+* the real target (``DRAFTSMITH_TARGET_DIR``, default the converted SmolLM2-135M-Instruct).
+
+Drafters: a trained one when its directory is given (``DRAFTSMITH_EAGLE3_DIR``,
+``DRAFTSMITH_EAGLE1_DIR``: the eagle recipe's output_dir or its ``drafter/``;
+``DRAFTSMITH_MEDUSA_EXPORT``: an already exported ``medusa-vllm`` directory), else a random
+one-layer drafter built on the real target's config (real vocabulary, hidden size and layer
+count, reduced EAGLE-3 draft vocabulary). Random drafters are accepted almost never (τ near 1),
+but vLLM must still load them and its output must equal plain greedy decoding token for token.
+Each case takes a few minutes on 2 CPU cores (two vLLM engine starts). Set
+``DRAFTSMITH_VLLM_OUT`` to keep the result JSONs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", "/work/venvs/vllm/bin/python"))
+TARGET = Path(
+    os.path.expanduser(
+        os.environ.get("DRAFTSMITH_TARGET_DIR", "~/.cache/draftsmith/targets/smollm2-135m-instruct")
+    )
+)
+# The project's own prompt set (train/prompts/), held-out records.
+PROMPTS = REPO / "train" / "prompts" / "chat_prompts.jsonl"
+K = 3
+
+if not VLLM_PYTHON.exists():
+    pytest.skip(f"no vLLM venv python at {VLLM_PYTHON}", allow_module_level=True)
+if not (TARGET / "config.json").is_file():
+    pytest.skip(f"real target not prepared at {TARGET}", allow_module_level=True)
+
+
+def run_check(tmp_path: Path, method: str, draft: Path | None = None, limit: int = 4) -> dict:
+    """Run scripts/vllm_check.py in the vLLM venv; return its results JSON."""
+    out = tmp_path / f"vllm_{method}.json"
+    keep = os.environ.get("DRAFTSMITH_VLLM_OUT")
+    if keep:
+        out = Path(keep) / f"vllm_{method}_{(draft or Path('none')).name}.json"
+    cmd = [
+        str(VLLM_PYTHON),
+        str(REPO / "scripts" / "vllm_check.py"),
+        "--target",
+        str(TARGET),
+        "--method",
+        method,
+        "--k",
+        str(K),
+        "--prompts",
+        str(PROMPTS),
+        "--split",
+        "heldout",
+        "--limit",
+        str(limit),
+        "--max-new-tokens",
+        "64",
+        "--out",
+        str(out),
+    ]
+    if draft is not None:
+        cmd += ["--draft", str(draft)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert out.is_file(), (
+        f"vllm_check wrote no results:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    result = json.loads(out.read_text())
+    assert proc.returncode == (0 if result.get("identical_to_target", True) else 1)
+    return result
+
+
+@pytest.fixture(scope="module")
+def target():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
+    """A trained drafter from ``env``, else a random one on the real target's config."""
+    if os.environ.get(env):
+        return Path(os.environ[env])
+    import torch
+
+    from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
+    from draftsmith.train.vocab import draft_vocab
+
+    cfg = EagleConfig.from_target(
+        target.config, version, draft_vocab_size=8192 if version == 3 else None
+    )
+    d2t = t2d = None
+    if version == 3:
+        # Any valid reduced vocab exercises vLLM's d2t path: lower ids counted as more frequent.
+        counts = torch.arange(cfg.vocab_size, 0, -1)
+        d2t, t2d = draft_vocab(counts, cfg.draft_vocab_size)
+    drafter = build_drafter(target, cfg, d2t, t2d, seed=0)
+    return save_drafter(drafter, tmp_path / f"eagle{version}_random")
+
+
+def _check(result: dict) -> None:
+    assert result["identical_to_target"] is True, result["mismatches"][:1]
+    # The drafter proposed, and vLLM counted it (at most k tokens per step).
+    assert result["num_drafts"] > 0
+    assert result["num_drafts"] <= result["num_draft_tokens"] <= K * result["num_drafts"]
+    assert len(result["acceptance_rate_per_position"]) == K
+    assert 1.0 <= result["acceptance_length"] <= K + 1
+
+
+def test_ngram(tmp_path):
+    result = run_check(tmp_path, "ngram")
+    assert result["identical_to_target"] is True
+    assert result["baseline_tokens_per_second"] > 0
+
+
+def test_eagle3_speculators_export(tmp_path, target):
+    from draftsmith.train.export_eagle import export_speculators
+
+    src = _drafter_dir("DRAFTSMITH_EAGLE3_DIR", 3, target, tmp_path)
+    out = export_speculators(src, tmp_path / "speculators", verifier_name_or_path=str(TARGET))
+    _check(run_check(tmp_path, "eagle3", out))
+
+
+def test_eagle3_sglang_layout_also_loads_in_vllm(tmp_path, target):
+    # vLLM maps LlamaForCausalLMEagle3 to its EAGLE-3 model and renames midlayer.* itself.
+    from draftsmith.train.export_eagle import export_eagle3
+
+    src = _drafter_dir("DRAFTSMITH_EAGLE3_DIR", 3, target, tmp_path)
+    out = export_eagle3(src, tmp_path / "eagle3")
+    _check(run_check(tmp_path, "eagle3", out))
+
+
+def test_eagle1_export(tmp_path, target):
+    from draftsmith.train.export_eagle import export_eagle
+
+    src = _drafter_dir("DRAFTSMITH_EAGLE1_DIR", 1, target, tmp_path)
+    out = export_eagle(src, tmp_path / "eagle")
+    _check(run_check(tmp_path, "eagle", out))
+
+
+@pytest.mark.skipif(
+    not os.environ.get("DRAFTSMITH_MEDUSA_EXPORT"),
+    reason="set DRAFTSMITH_MEDUSA_EXPORT to a medusa-vllm export directory",
+)
+def test_medusa_export(tmp_path):
+    _check(run_check(tmp_path, "medusa", Path(os.environ["DRAFTSMITH_MEDUSA_EXPORT"])))

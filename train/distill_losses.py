@@ -1,0 +1,321 @@
+"""Token-level distillation losses between a target (p) and a draft (q), and the acceptance rate.
+
+Why these losses (DistillSpec, Zhou et al. 2024, §3-4): with speculative sampling the draft token
+is accepted with probability min(1, p/q), so the expected acceptance rate at one position is
+``β = Σ_v min(p_v, q_v) = 1 − TVD(p, q)`` (Leviathan et al. 2023, Thm. 3.5 / Cor. 3.6). Total
+variation distance is therefore the quantity acceptance depends on; forward KL, reverse KL and
+the generalised JSD are smoother surrogates whose best choice depends on the task and the
+decoding strategy (DistillSpec Fig. 4). Greedy decoding accepts a token iff the argmaxes agree
+(:func:`greedy_agreement`).
+
+Conventions:
+
+* ``p`` is always the target's distribution, ``q`` the draft's; both come as logits of the same
+  shape ``[..., V]`` (any leading dims, e.g. ``[B, T, V]`` or ``[N, V]``).
+* ``temperature`` τ divides both sets of logits before the softmax (Hinton et al. 2015). The
+  losses are not rescaled by τ²: mixes with cross-entropy use an explicit ``ce_weight`` instead.
+* ``mask`` (same leading shape, 0/1 or bool) selects the positions that count; every loss is the
+  mean of the per-position value over the selected positions (0 when none is selected).
+* All arithmetic is in float32 whatever the logits' dtype (bf16 softmaxes over 49k tokens lose
+  the small probabilities the KLs weigh).
+
+Which positions to supervise: ``loss_mask[t] == 1`` (``train/data.py``) means token ``t`` is a
+training target, predicted by the logits at position ``t − 1``. :func:`prediction_mask` does that
+shift once, so callers never slice logits by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "LOSSES",
+    "cross_entropy",
+    "distill_loss",
+    "expected_acceptance",
+    "forward_kl",
+    "greedy_agreement",
+    "jsd",
+    "prediction_mask",
+    "reverse_kl",
+    "total_variation",
+]
+
+#: Loss names accepted by :func:`distill_loss` (and the recipe's ``loss`` field).
+LOSSES: tuple[str, ...] = ("fkl", "rkl", "tvd", "jsd")
+
+
+def prediction_mask(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions whose logits predict a supervised token, and the tokens they predict.
+
+    Args:
+        input_ids: ``[B, T]`` token ids.
+        loss_mask: ``[B, T]`` 1 where the token is a training target (assistant tokens).
+        attention_mask: ``[B, T]`` 1 on real tokens, 0 on padding (None: all real).
+
+    Returns:
+        ``(keep, labels)``: ``keep [B, T]`` bool, True at position ``t`` when token ``t + 1`` is
+        supervised and real (so the last position is never kept); ``labels [N]`` long, the token
+        each kept position must predict, in row-major order of ``keep`` (``N = keep.sum()``). Pass
+        ``keep`` as ``logits_to_keep`` to an HF causal LM to get exactly these ``[N, V]`` logits.
+    """
+    target = loss_mask[:, 1:].bool()
+    if attention_mask is not None:
+        target = target & attention_mask[:, 1:].bool()
+    keep = torch.zeros_like(input_ids, dtype=torch.bool)
+    keep[:, :-1] = target
+    return keep, input_ids[:, 1:][target]
+
+
+def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[..., V]`` logits -> ``[..., V]`` float32 log-probabilities at ``temperature``."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return F.log_softmax(logits.float() / temperature, dim=-1)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``values [...]`` over positions where ``mask [...]`` is set (0 if none is)."""
+    if mask is None:
+        return values.mean()
+    if mask.shape != values.shape:
+        raise ValueError(
+            f"mask shape {tuple(mask.shape)} != per-position shape {tuple(values.shape)}"
+        )
+    m = mask.to(values.dtype)
+    # max(count, 1): an all-masked batch gives 0 and still a graph, so backward() is safe.
+    return (values * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(a ‖ b) = Σ_v a_v (log a_v − log b_v): ``[..., V]`` -> ``[...]``."""
+    # xlogy-style: a_v = 0 contributes 0 even where log b_v = -inf (masked vocab entries).
+    # The where() sits inside the product so its gradient stays finite too.
+    a = log_a.exp()
+    return (a * torch.where(a > 0, log_a - log_b, torch.zeros_like(a))).sum(-1)
+
+
+def forward_kl(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Forward KL(p ‖ q), mean over masked positions (mode-covering: q spreads over p's support).
+
+    Args:
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+        temperature: softmax temperature applied to both.
+
+    Returns:
+        Scalar tensor.
+    """
+    return _masked_mean(
+        _kl(_log_probs(p_logits, temperature), _log_probs(q_logits, temperature)), mask
+    )
+
+
+def reverse_kl(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Reverse KL(q ‖ p), mean over masked positions (mode-seeking: q concentrates on p's modes).
+
+    Args:
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+        temperature: softmax temperature applied to both.
+
+    Returns:
+        Scalar tensor.
+    """
+    return _masked_mean(
+        _kl(_log_probs(q_logits, temperature), _log_probs(p_logits, temperature)), mask
+    )
+
+
+def total_variation(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Total variation distance ½ Σ_v |p_v − q_v| = 1 − Σ_v min(p_v, q_v), mean over positions.
+
+    Minimising it maximises the expected acceptance rate directly (DistillSpec §3).
+
+    Args:
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+        temperature: softmax temperature applied to both.
+
+    Returns:
+        Scalar tensor in [0, 1].
+    """
+    p = _log_probs(p_logits, temperature).exp()
+    q = _log_probs(q_logits, temperature).exp()
+    return _masked_mean(0.5 * (p - q).abs().sum(-1), mask)
+
+
+def jsd(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Generalised Jensen-Shannon divergence, mean over masked positions.
+
+    ``JSD_β(p ‖ q) = β KL(p ‖ m) + (1 − β) KL(q ‖ m)`` with ``m = β p + (1 − β) q`` (GKD, Agarwal
+    et al. 2024, Eq. 2; DistillSpec Table 1). β = 0.5 is the symmetric JSD, bounded by ln 2.
+
+    Args:
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+        beta: mixing weight in (0, 1).
+        temperature: softmax temperature applied to both.
+
+    Returns:
+        Scalar tensor.
+    """
+    if not 0 < beta < 1:
+        raise ValueError(f"beta must be in (0, 1), got {beta}")
+    log_p = _log_probs(p_logits, temperature)
+    log_q = _log_probs(q_logits, temperature)
+    # log m computed in log space: the mixture of two tiny probabilities stays finite.
+    log_m = torch.logsumexp(
+        torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0
+    )
+    per_pos = beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
+    return _masked_mean(per_pos, mask)
+
+
+def cross_entropy(
+    q_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Cross-entropy of the draft on the data's tokens, mean over masked positions.
+
+    Args:
+        q_logits: ``[..., V]`` draft logits.
+        labels: ``[...]`` long, the token each position should predict.
+        mask: ``[...]`` positions to average over (None: all).
+
+    Returns:
+        Scalar tensor.
+    """
+    log_q = _log_probs(q_logits, 1.0)
+    nll = -log_q.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return _masked_mean(nll, mask)
+
+
+@torch.no_grad()
+def expected_acceptance(
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Expected speculative-sampling acceptance rate, mean over masked positions of Σ_v min(p, q).
+
+    This is β of Leviathan et al. 2023 (Def. 3.1) measured on teacher-forced positions: the
+    chance that one draft token sampled from q is accepted by a target sampling from p.
+
+    Args:
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+        temperature: sampling temperature of both models.
+
+    Returns:
+        Scalar tensor in [0, 1].
+    """
+    p = _log_probs(p_logits, temperature).exp()
+    q = _log_probs(q_logits, temperature).exp()
+    return _masked_mean(torch.minimum(p, q).sum(-1), mask)
+
+
+@torch.no_grad()
+def greedy_agreement(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Share of masked positions where the draft's argmax equals the target's.
+
+    Greedy speculative decoding accepts a draft token iff this holds, so it is the greedy
+    counterpart of :func:`expected_acceptance` (teacher-forced).
+
+    Args:
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+
+    Returns:
+        Scalar tensor in [0, 1].
+    """
+    same = (p_logits.argmax(-1) == q_logits.argmax(-1)).float()
+    return _masked_mean(same, mask)
+
+
+def distill_loss(
+    kind: str,
+    p_logits: torch.Tensor,
+    q_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    ce_weight: float = 0.0,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+) -> torch.Tensor:
+    """The training loss: ``(1 − ce_weight) · D(p, q) + ce_weight · CE(q, labels)``.
+
+    Args:
+        kind: divergence D, one of :data:`LOSSES`: ``fkl`` (KL(p‖q)), ``rkl`` (KL(q‖p)),
+            ``tvd`` (total variation), ``jsd`` (generalised JSD with ``beta``).
+        p_logits: ``[..., V]`` target logits.
+        q_logits: ``[..., V]`` draft logits.
+        mask: ``[...]`` positions to average over (None: all).
+        labels: ``[...]`` data tokens for the cross-entropy term; required when ``ce_weight > 0``.
+        ce_weight: weight of the cross-entropy on the data labels, in [0, 1].
+        temperature: softmax temperature of the divergence (the cross-entropy uses 1).
+        beta: JSD mixing weight.
+
+    Returns:
+        Scalar tensor.
+    """
+    if kind not in LOSSES:
+        raise ValueError(f"unknown loss {kind!r}; expected one of {list(LOSSES)}")
+    if not 0 <= ce_weight <= 1:
+        raise ValueError(f"ce_weight must be in [0, 1], got {ce_weight}")
+    if ce_weight > 0 and labels is None:
+        raise ValueError("ce_weight > 0 needs labels")
+    loss = q_logits.new_zeros((), dtype=torch.float32)
+    if ce_weight < 1:
+        if kind == "fkl":
+            d = forward_kl(p_logits, q_logits, mask, temperature=temperature)
+        elif kind == "rkl":
+            d = reverse_kl(p_logits, q_logits, mask, temperature=temperature)
+        elif kind == "tvd":
+            d = total_variation(p_logits, q_logits, mask, temperature=temperature)
+        else:
+            d = jsd(p_logits, q_logits, mask, beta=beta, temperature=temperature)
+        loss = loss + (1 - ce_weight) * d
+    if ce_weight > 0:
+        loss = loss + ce_weight * cross_entropy(q_logits, labels, mask)
+    return loss

@@ -1,0 +1,307 @@
+"""Training losses for EAGLE drafters: EAGLE-1 feature regression and EAGLE-3 training-time test.
+
+Alignment (shared with :mod:`draftsmith.heads.eagle`): drafter position t reads the target
+feature ``f_t`` and the embedding of the next token ``x_{t+1}`` and predicts ``f_{t+1}``, whose
+head gives the distribution of ``x_{t+2}``. ``loss_mask[i] = 1`` marks assistant tokens, so
+position t is supervised iff the token it predicts, ``x_{t+2}``, is an assistant token:
+``mask[t] = loss_mask[t + 2]``. In EAGLE-3's training-time test, step j predicts ``x_{t+2+j}``
+from position t, so its mask is ``loss_mask[t + 2 + j]``.
+
+The target's distribution comes from the target's own head applied to its final normed hidden
+state (HF ``hidden_states[N]``), which both losses take from ``batch["hidden_states"][N]``
+(:attr:`draftsmith.heads.eagle.EagleConfig.train_layers` includes N).
+
+Batches are those of :func:`draftsmith.train.hidden_states.feature_source` (right-padded):
+``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and ``hidden_states {layer: [B, T, H]}``.
+Both functions accept the drafter bare or inside a DDP/accelerate wrapper; every drafter
+parameter is used inside ``drafter(...)`` calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.heads.eagle import EagleCache, _unwrap
+
+__all__ = [
+    "eagle1_loss",
+    "eagle3_ttt_loss",
+    "shift_left",
+    "target_distribution",
+    "ttt_attention_mask",
+]
+
+
+def shift_left(x: torch.Tensor, n: int, fill: float | int = 0) -> torch.Tensor:
+    """``out[:, t] = x[:, t + n]``, padded with ``fill`` at the end (dim 1 is time)."""
+    if n == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(n, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_attention_mask(
+    seq_len: int,
+    step: int,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Training-time-test attention mask of step ``step`` (EAGLE-3 §3.3, HASS).
+
+    Keys are laid out as ``step + 1`` blocks of ``seq_len``: block 0 holds the keys computed from
+    the target features (step 0), block i the keys of step i. A step-j query at position t sees
+    the step-0 keys at positions ``<= t`` (the verified context) and, in blocks 1..j, only the
+    key at its own position t: at inference, those are the drafter's earlier draft steps along
+    the same chain.
+
+    Keys at padding positions (``attention_mask == 0``) are hidden. A query with nothing left
+    to see (a left-padded query) is given its own step-0 key so attention stays finite; such
+    positions are never supervised.
+
+    Args:
+        seq_len: T.
+        step: j >= 0.
+        attention_mask: ``[B, T]`` 1 = real token, or None (no padding).
+        device: where to build the mask (default: ``attention_mask``'s device).
+
+    Returns:
+        bool ``[B, 1, T, (j + 1) * T]`` (B = 1 without ``attention_mask``), True = attend.
+    """
+    if device is None and attention_mask is not None:
+        device = attention_mask.device
+    t = seq_len
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=device)
+    mask = torch.cat([causal] + [eye] * step, dim=1)[None, None]  # [1, 1, T, (j+1)T]
+    if attention_mask is not None:
+        valid = attention_mask.to(device=device, dtype=torch.bool)  # [B, T]
+        mask = mask & valid.repeat(1, step + 1)[:, None, None, :]
+        empty = ~mask.any(dim=-1, keepdim=True)  # [B, 1, T, 1]
+        own = torch.cat([eye] + [torch.zeros_like(eye)] * step, dim=1)[None, None]
+        mask = mask | (empty & own)
+    return mask
+
+
+@torch.no_grad()
+def target_distribution(
+    final_hidden: torch.Tensor,
+    target_lm_head: nn.Module,
+    t2d: torch.Tensor | None = None,
+    chunk: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's next-token distribution and argmax from its final normed hidden states.
+
+    Computed in chunks of ``chunk`` positions so the full ``[B, T, V]`` logits never exist at
+    once (V is 49k-150k for real targets).
+
+    Args:
+        final_hidden: ``[B, T, H]`` the target's ``hidden_states[N]``.
+        target_lm_head: the target's output head.
+        t2d: EAGLE-3 ``[V]`` bool: restrict (and renormalise) the distribution to the draft
+            vocab. None: the full vocab.
+        chunk: positions per head call.
+
+    Returns:
+        ``(probs [B, T, V or V_draft] float32, argmax [B, T] long over the full target vocab)``.
+    """
+    w = target_lm_head.weight
+    probs, argmax = [], []
+    for s in range(0, final_hidden.shape[1], chunk):
+        logits = target_lm_head(final_hidden[:, s : s + chunk].to(device=w.device, dtype=w.dtype))
+        logits = logits.float()
+        argmax.append(logits.argmax(-1))
+        if t2d is not None:
+            logits = logits[..., t2d.to(logits.device)]
+        probs.append(torch.softmax(logits, dim=-1))
+    return torch.cat(probs, dim=1), torch.cat(argmax, dim=1)
+
+
+def _soft_ce(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy ``-sum p log q``: ``[B, T]``."""
+    return -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+
+
+def _entropy(p: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy ``[B, T]`` (the floor of the soft cross-entropy)."""
+    return -(p * p.clamp_min(1e-30).log()).sum(-1)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where() rather than multiply: unsupervised positions may hold inf/nan-free garbage, but a
+    # 0 * inf would still poison the sum.
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+
+
+def _batch_tensors(batch: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, ...]:
+    ids = batch["input_ids"].to(device)
+    attn = batch.get("attention_mask")
+    attn = torch.ones_like(ids) if attn is None else attn.to(device)
+    loss_mask = batch["loss_mask"].to(device)
+    return ids, attn, loss_mask
+
+
+def eagle1_loss(
+    drafter: nn.Module,
+    batch: dict[str, Any],
+    target_lm_head: nn.Module | None = None,
+    *,
+    noise: float = 0.2,
+    feature_weight: float = 1.0,
+    token_weight: float = 0.1,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """EAGLE-1 loss (EAGLE §4): SmoothL1 on the next feature + 0.1 x soft cross-entropy.
+
+    ``L = feature_weight * SmoothL1(h_t, f_{t+1}) + token_weight * CE(p_t, softmax(head(h_t)))``
+    with ``p_t = softmax(head(f_{t+1}))`` the target's distribution of ``x_{t+2}``; both terms
+    are averaged over the supervised positions (``loss_mask[t + 2]``).
+
+    Noise augmentation (EAGLE §4, "data augmentation"): input features get ``U(-noise/2,
+    noise/2)`` added when ``noise > 0`` (the paper's U(-0.1, 0.1) at the default 0.2). The
+    SafeAILab reference additionally scales the amplitude by ``512 / seq_len``; we do not.
+    Pass ``noise=0`` for evaluation.
+
+    Args:
+        drafter: an EAGLE-1 :class:`~draftsmith.heads.eagle.EagleDrafter` (or a wrapper).
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and
+            ``hidden_states[N]`` ``[B, T, H]``.
+        target_lm_head: the target's head (default: the one the drafter shares).
+        noise: width of the uniform input noise.
+        feature_weight: weight of the feature regression (EAGLE: 1.0).
+        token_weight: weight of the token cross-entropy (EAGLE: 0.1).
+        generator: randomness for the noise.
+
+    Returns:
+        ``(loss, metrics)``; metrics (detached 0-dim tensors): ``loss``, ``feature_loss``,
+        ``token_loss``, ``token_kl`` (token_loss minus the target's entropy: 0 when the
+        drafter's distribution equals the target's), ``acc`` (draft argmax == target argmax),
+        ``tokens`` (supervised count).
+    """
+    core = _unwrap(drafter)
+    cfg = core.config
+    if cfg.version != 1:
+        raise ValueError("eagle1_loss is for EAGLE-1 drafters; use eagle3_ttt_loss for EAGLE-3")
+    head = target_lm_head if target_lm_head is not None else core.shared.lm_head
+    dev = core.device
+    ids, attn, loss_mask = _batch_tensors(batch, dev)
+    feats = batch["hidden_states"][cfg.target_num_layers].to(device=dev, dtype=core.dtype)
+    b, t = ids.shape
+    if t < 3:
+        raise ValueError(f"sequences must have >= 3 tokens to supervise anything, got {t}")
+
+    # Position t in [0, T-2]: input (f_t, x_{t+1}), target f_{t+1}, supervised iff x_{t+2} is.
+    inp = feats[:, :-1]
+    if noise > 0:
+        u = torch.rand(inp.shape, generator=generator, device="cpu" if generator else dev)
+        inp = inp + (u.to(dev, inp.dtype) - 0.5) * noise
+    target_feat = feats[:, 1:].detach()
+    mask = shift_left(loss_mask * attn, 2)[:, :-1] > 0  # [B, T-1]
+    emb = core.embed(ids[:, 1:])
+    pos = torch.arange(t - 1, device=dev)[None].expand(b, -1)
+    att = ttt_attention_mask(t - 1, 0, attn[:, :-1])
+    pred, _ = drafter(emb, inp, pos, attention_mask=att)
+
+    feature_loss = _masked_mean(
+        F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1), mask
+    )
+    target_p, target_arg = target_distribution(target_feat, head)
+    draft_logits = head(pred.to(head.weight.dtype))
+    token_loss = _masked_mean(_soft_ce(draft_logits, target_p), mask)
+    loss = feature_weight * feature_loss + token_weight * token_loss
+    with torch.no_grad():
+        hit = draft_logits.argmax(-1) == target_arg
+        acc = _masked_mean(hit.float(), mask)
+        token_kl = token_loss.detach() - _masked_mean(_entropy(target_p), mask)
+    metrics = {
+        "loss": loss.detach(),
+        "feature_loss": feature_loss.detach(),
+        "token_loss": token_loss.detach(),
+        "token_kl": token_kl,
+        "acc": acc,
+        "tokens": mask.sum(),
+    }
+    return loss, metrics
+
+
+def eagle3_ttt_loss(
+    drafter: nn.Module,
+    batch: dict[str, Any],
+    target_lm_head: nn.Module,
+    *,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """EAGLE-3 training-time test (EAGLE-3 §3.3; HASS): unroll the drafter on its own outputs.
+
+    Step 0 reads the fused target features; step j > 0 reads the drafter's own step j-1 output
+    at the same position as its feature, the ground-truth token one further on
+    (``x_{t+1+j}``), RoPE position ``t + j`` (as at inference, where draft step j sits j
+    positions later), and attends with :func:`ttt_attention_mask`. Step j at position t thus
+    predicts ``x_{t+2+j}``, supervised with ``loss_mask[t + 2 + j]``.
+
+    Loss: ``sum_j decay**j * CE_j`` where CE_j is the soft cross-entropy between the drafter's
+    draft-vocab distribution and the target's distribution restricted to the draft vocab
+    (``softmax(target_logits[..., t2d])``), averaged over supervised positions.
+
+    Args:
+        drafter: an EAGLE-3 :class:`~draftsmith.heads.eagle.EagleDrafter` (or a wrapper).
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and
+            ``hidden_states`` holding the aux layers and N.
+        target_lm_head: the target's head (its distribution is the label).
+        steps: TTT unroll length (EAGLE-3 uses 7).
+        decay: step weight base (EAGLE-3 uses 0.8).
+
+    Returns:
+        ``(loss, metrics)``; metrics (detached 0-dim tensors): ``loss``, ``loss_{j}``,
+        ``kl_{j}`` (loss_j minus the target's entropy, 0 at a perfect match), ``acc_{j}`` (draft argmax mapped to target ids == target argmax over the full vocab),
+        ``tokens_{j}`` for j in 0..steps-1.
+    """
+    core = _unwrap(drafter)
+    cfg = core.config
+    if cfg.version != 3:
+        raise ValueError("eagle3_ttt_loss is for EAGLE-3 drafters; use eagle1_loss for EAGLE-1")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    dev = core.device
+    ids, attn, loss_mask = _batch_tensors(batch, dev)
+    b, t = ids.shape
+    hidden = batch["hidden_states"]
+    feats = core.feature_tensor(hidden)  # [B, T, 3H]
+    target_p, target_arg = target_distribution(
+        hidden[cfg.target_num_layers].to(dev), target_lm_head, core.t2d
+    )
+    target_p, target_arg = target_p.to(dev), target_arg.to(dev)
+    supervised = loss_mask * attn
+    base_pos = torch.arange(t, device=dev)[None].expand(b, -1)
+
+    cache = EagleCache()
+    total = torch.zeros((), device=dev)
+    metrics: dict[str, torch.Tensor] = {}
+    h = feats
+    for j in range(steps):
+        emb = core.embed(shift_left(ids, 1 + j))
+        att = ttt_attention_mask(t, j, attn)
+        h, logits = drafter(
+            emb, h, base_pos + j, attention_mask=att, cache=cache, return_logits=True
+        )
+        # Positions t < T-1-j have a label (the target's distribution at t+1+j); slicing views
+        # of target_p (not shifted copies) keeps one [B, T, V_draft] label tensor in memory
+        # however many steps autograd holds on to.
+        n = max(t - 1 - j, 0)
+        logits = logits[:, :n]
+        mask = shift_left(supervised, 2 + j)[:, :n] > 0
+        p_j = target_p[:, 1 + j : 1 + j + n]
+        loss_j = _masked_mean(_soft_ce(logits, p_j), mask)
+        total = total + decay**j * loss_j
+        with torch.no_grad():
+            hit = core.target_ids(logits.argmax(-1)) == target_arg[:, 1 + j : 1 + j + n]
+            metrics[f"acc_{j}"] = _masked_mean(hit.float(), mask)
+            metrics[f"loss_{j}"] = loss_j.detach()
+            metrics[f"kl_{j}"] = loss_j.detach() - _masked_mean(_entropy(p_j), mask)
+            metrics[f"tokens_{j}"] = mask.sum()
+    metrics["loss"] = total.detach()
+    return total, metrics

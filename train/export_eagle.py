@@ -1,0 +1,914 @@
+"""Export EAGLE drafters for serving (``draftsmith export --format speculators|eagle3|eagle``).
+
+Each format is a plain weight-name mapping of a drafter saved by
+:func:`draftsmith.heads.eagle.save_drafter` (no tensor is transformed, only renamed) plus the
+``config.json`` its server reads. Every field below was checked against the loaders' source:
+
+==============  ============================================================================
+``speculators``  EAGLE-3 for vLLM (vllm-project/speculators' format). ``config.json``:
+                 ``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``,
+                 ``transformer_layer_config`` (a one-layer Llama config, ``vocab_size`` = the
+                 *target* vocab), ``draft_vocab_size``, ``target_hidden_size``,
+                 ``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual`` (always written:
+                 vLLM defaults a missing one to True, speculators to False),
+                 ``speculators_config`` {algorithm, proposal_methods [greedy,
+                 speculative_tokens], default_proposal_method, verifier {name_or_path,
+                 architectures}}, ``speculators_version``. Weights: ``fc.weight``,
+                 ``layers.0.*``, ``norm.weight``, ``lm_head.weight`` ``[V_draft, H]``, ``d2t``
+                 (int64 ``[V_draft]``, target id = i + d2t[i]) and ``t2d`` (bool ``[V]``).
+                 Serve: ``vllm serve <export>`` (the verifier is read from the config) or
+                 ``speculative_config={"method": "eagle3", "model": <export>}``.
+``eagle3``       EAGLE-3 for SGLang and the original EAGLE-3 code: the same tensors with
+                 ``midlayer.*`` for ``layers.0.*``; a flat Llama ``config.json`` with
+                 ``architectures: ["LlamaForCausalLMEagle3"]``, ``draft_vocab_size``,
+                 ``target_hidden_size``, ``num_hidden_layers: 1``,
+                 ``tie_word_embeddings: false`` (SGLang ties ``lm_head`` to the embedding when
+                 true). Serve: ``--speculative-algorithm EAGLE3 --speculative-draft-model-path``.
+``eagle``        EAGLE-1 for vLLM (``method: "eagle"``): a flat Llama config with
+                 ``architectures: ["EagleLlamaForCausalLM"]``, ``num_hidden_layers: 1``;
+                 weights ``fc.weight`` (``[H, 2H]`` over concat(embedding, feature), no bias:
+                 vLLM builds ``fc`` with ``bias=False``) and ``layers.0.*`` without
+                 ``input_layernorm`` (vLLM swaps it for Identity).
+==============  ============================================================================
+
+No format carries ``embed_tokens`` (or, for EAGLE-1, ``lm_head``): vLLM and SGLang give the
+drafter the target's embedding (and head) when the checkpoint has none, which is exactly what
+our drafter uses. When the draft vocabulary is the full vocabulary, ``d2t``/``t2d`` are left
+out: vLLM creates its ``draft_id_to_target_id`` parameter only when the sizes differ and would
+reject an unexpected one.
+
+**Aux layer ids** (EAGLE-3). Our ``EagleConfig.aux_layers`` are HF ``hidden_states`` indices
+(i = the input to decoder layer i). vLLM's ``eagle_aux_hidden_state_layer_ids`` use the same
+numbering (``EagleModelMixin._maybe_add_hidden_state`` records id 0 before the first layer and
+id i+1 after layer i), and so does speculators (its DFlash converter turns z-lab's "output of
+layer i" into ``i + 1``), so the speculators export writes ours unchanged. SGLang adds 1 to the
+ids it reads from ``eagle_config.eagle_aux_hidden_state_layer_ids`` ("for the ith layer, it
+takes the output of the (i-1)th layer"), i.e. its ids count layer *outputs*; the ``eagle3``
+export therefore writes ``aux - 1`` there, and omits the field when the layers are the default
+``[2, N//2, N-3]``, which SGLang and vLLM both use without it (vLLM reads that same field
+unshifted, so an ``eagle3`` export with custom layers is for SGLang only).
+
+Writes are atomic: everything goes into a temporary directory beside ``out`` that is checked
+(every exported tensor re-read and compared with the source) and renamed into place, so a crash
+never leaves a half export under the final name. :func:`load_export` maps an export back to an
+:class:`~draftsmith.heads.eagle.EagleDrafter` for round-trip tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.heads.eagle import EagleConfig, EagleDrafter
+
+__all__ = [
+    "FORMATS",
+    "SPECULATORS_VERSION",
+    "export_eagle",
+    "export_eagle3",
+    "export_format",
+    "export_speculators",
+    "load_export",
+    "main_export_eagle",
+]
+
+FORMATS = ("speculators", "eagle3", "eagle")
+#: The vllm-project/speculators release whose config classes this export follows (v0.7.0:
+#: ``Eagle3SpeculatorConfig``, ``SpeculatorsConfig``, ``GreedyTokenProposalConfig``).
+SPECULATORS_VERSION = "0.7.0"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+#: Provenance written beside the weights (source drafter config, training and eval metrics).
+INFO_FILE = "draftsmith_export.json"
+ARCH_SPECULATORS = "Eagle3Speculator"
+ARCH_EAGLE3 = "LlamaForCausalLMEagle3"
+ARCH_EAGLE1 = "EagleLlamaForCausalLM"
+
+
+# --------------------------------------------------------------------------------------------
+# The drafter's tensors and the name mappings
+# --------------------------------------------------------------------------------------------
+
+
+def _expected_shapes(cfg: EagleConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a saved drafter (our layout) and its shape."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    attn_in = 2 * h if cfg.version == 3 else h  # EAGLE-3 attends over concat(embed, feature)
+    shapes = {
+        "fc.weight": (h, 3 * h if cfg.version == 3 else 2 * h),
+        "layers.0.self_attn.q_proj.weight": (q, attn_in),
+        "layers.0.self_attn.k_proj.weight": (kv, attn_in),
+        "layers.0.self_attn.v_proj.weight": (kv, attn_in),
+        "layers.0.self_attn.o_proj.weight": (h, q),
+        "layers.0.mlp.gate_proj.weight": (i, h),
+        "layers.0.mlp.up_proj.weight": (i, h),
+        "layers.0.mlp.down_proj.weight": (h, i),
+        "layers.0.post_attention_layernorm.weight": (h,),
+    }
+    if cfg.version == 3:
+        shapes |= {
+            "layers.0.input_layernorm.weight": (h,),
+            "layers.0.hidden_norm.weight": (h,),
+            "norm.weight": (h,),
+            "lm_head.weight": (cfg.draft_vocab_size, h),
+            "d2t": (cfg.draft_vocab_size,),
+            "t2d": (cfg.vocab_size,),
+        }
+    return shapes
+
+
+def _to_export(name: str, fmt: str) -> str:
+    """Our tensor name -> the name in ``fmt`` (only SGLang's layout renames anything)."""
+    if fmt == "eagle3" and name.startswith("layers.0."):
+        return "midlayer." + name.removeprefix("layers.0.")
+    return name
+
+
+def _from_export(name: str, fmt: str) -> str:
+    """Inverse of :func:`_to_export`."""
+    if fmt == "eagle3" and name.startswith("midlayer."):
+        return "layers.0." + name.removeprefix("midlayer.")
+    return name
+
+
+def _full_vocab(cfg: EagleConfig) -> bool:
+    return cfg.version == 1 or cfg.draft_vocab_size == cfg.vocab_size
+
+
+def _default_aux(num_layers: int) -> list[int]:
+    """The aux layers vLLM and SGLang pick when a checkpoint names none (HF indices)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the source drafter
+# --------------------------------------------------------------------------------------------
+
+
+def _source_dir(src_dir: str | Path) -> Path:
+    """The drafter directory: ``src_dir`` itself or the recipe output's ``drafter/``."""
+    src = Path(src_dir)
+    if not (src / CONFIG_FILE).is_file() and (src / "drafter" / CONFIG_FILE).is_file():
+        src = src / "drafter"
+    if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(
+            f"{src_dir}: no saved EAGLE drafter here (need {CONFIG_FILE} and {WEIGHTS_FILE}, "
+            "as written by draftsmith.heads.eagle.save_drafter)"
+        )
+    return src
+
+
+def _read_drafter(src: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
+    """Config and tensors of a saved drafter, checked against each other."""
+    from safetensors.torch import load_file
+
+    from draftsmith.heads.eagle import DRAFTER_FORMAT
+
+    raw = json.loads((src / CONFIG_FILE).read_text())
+    fmt = raw.pop("draftsmith_format", None)
+    if fmt != DRAFTER_FORMAT:
+        raise ValueError(
+            f"{src / CONFIG_FILE}: 'draftsmith_format' is {fmt!r}, expected {DRAFTER_FORMAT!r}"
+        )
+    cfg = EagleConfig.from_dict(raw)
+    state = load_file(str(src / WEIGHTS_FILE))
+    _check_tensors(state, _expected_shapes(cfg), str(src / WEIGHTS_FILE))
+    return cfg, state
+
+
+def _check_tensors(
+    state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], where: str
+) -> None:
+    missing = sorted(set(shapes) - set(state))
+    unexpected = sorted(set(state) - set(shapes))
+    wrong = [
+        f"{k}: {tuple(state[k].shape)} != {v}"
+        for k, v in shapes.items()
+        if k in state and tuple(state[k].shape) != v
+    ]
+    if missing or unexpected or wrong:
+        raise ValueError(
+            f"{where}: tensors do not match the config: missing {missing}, unexpected "
+            f"{unexpected}, wrong shape {wrong}"
+        )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _eval_result(obj: Any) -> dict[str, Any] | None:
+    """The EAGLE entry of an evaluation results file (``draftsmith evaluate`` / vllm_check)."""
+    if not isinstance(obj, dict):
+        return None
+    if "acceptance_length" in obj:
+        return obj
+    methods = obj.get("methods")
+    if isinstance(methods, list):
+        rows = [m for m in methods if isinstance(m, dict) and "acceptance_length" in m]
+        eagle = [m for m in rows if "eagle" in str(m.get("method", "")).lower()]
+        return (eagle or rows or [None])[0]
+    return None
+
+
+def _provenance(src: Path, metrics_json: str | Path | None) -> dict[str, Any]:
+    """What the model card reports: training run facts and measured τ, where files exist.
+
+    Looks in the drafter directory and its parent (the recipe's ``output_dir``) for the
+    recipe's ``training_metrics.json`` and for any evaluation results JSON (a file holding
+    ``acceptance_length``), unless ``metrics_json`` names the evaluation file.
+    """
+    info: dict[str, Any] = {"source": str(src)}
+    places = [src, src.parent]
+    for place in places:
+        training = _read_json(place / "training_metrics.json")
+        if isinstance(training, dict):
+            config = training.get("config") or {}
+            info["training"] = {
+                "target": config.get("target"),
+                "data": training.get("data"),
+                "steps": training.get("steps"),
+                "train_seconds": training.get("train_seconds"),
+                "train_samples": training.get("train_samples"),
+                "final_validation": training.get("final_validation"),
+            }
+            break
+    candidates = [Path(metrics_json)] if metrics_json else []
+    if not metrics_json:
+        skip = {CONFIG_FILE, INFO_FILE, "training_metrics.json", "trainer_state.json"}
+        for place in places:
+            candidates += [p for p in sorted(place.glob("*.json")) if p.name not in skip]
+    for path in candidates:
+        result = _eval_result(_read_json(path))
+        if result is not None:
+            keep = (
+                "method",
+                "k",
+                "temperature",
+                "num_prompts",
+                "acceptance_length",
+                "acceptance_length_per_draft",
+                "acceptance_rate_per_position",
+                "speedup",
+                "tokens_per_second",
+                "baseline_tokens_per_second",
+                "identical_to_target",
+            )
+            info["evaluation"] = {k: result.get(k) for k in keep if k in result}
+            info["evaluation"]["file"] = str(path)
+            break
+    if metrics_json and "evaluation" not in info:
+        raise ValueError(f"{metrics_json}: no acceptance_length found (not an evaluation JSON)")
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# config.json of each format
+# --------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _llama_fields(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A one-decoder-layer Llama config dict with the drafter's shapes.
+
+    RoPE (and the dtype) is written both ways: ``rope_theta``/``rope_scaling`` (transformers v4, which SGLang
+    and older vLLM read) and ``rope_parameters`` (transformers v5); v5 accepts both.
+    """
+    return {
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": cfg.rope_parameters(),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        # transformers v5 reads "dtype", v4 (SGLang, older vLLM) "torch_dtype".
+        "dtype": _dtype_name(dtype),
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
+def _verifier_architectures(name_or_path: str) -> list[str]:
+    """``architectures`` of a local verifier directory; Llama when it cannot be read."""
+    config = _read_json(Path(os.path.expanduser(name_or_path)) / CONFIG_FILE)
+    if isinstance(config, dict) and config.get("architectures"):
+        return list(config["architectures"])
+    return ["LlamaForCausalLM"]
+
+
+def _speculators_config(
+    cfg: EagleConfig,
+    dtype: torch.dtype,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str] | None,
+    speculative_tokens: int,
+) -> dict[str, Any]:
+    """``config.json`` of the speculators format (Eagle3SpeculatorConfig, speculators v0.7)."""
+    return {
+        "architectures": [ARCH_SPECULATORS],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": _llama_fields(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        # HF hidden_states indices == vLLM/speculators ids (module docstring).
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "norm_before_residual": cfg.norm_before_residual,
+        # Variants our drafter does not implement, written so no reader guesses.
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier_name_or_path,
+                "architectures": verifier_architectures
+                or _verifier_architectures(verifier_name_or_path),
+            },
+        },
+        "dtype": _dtype_name(dtype),
+        "torch_dtype": _dtype_name(dtype),
+    }
+
+
+def _eagle3_config(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of the SGLang / original EAGLE-3 layout."""
+    if cfg.norm_before_residual:
+        # SGLang's LlamaDecoderLayer (llama_eagle3.py) always keeps the un-normed feature as the
+        # residual; it has no switch, so a drafter trained the other way would run wrongly.
+        raise ValueError(
+            "the eagle3 (SGLang) format has no norm_before_residual=True variant; export this "
+            "drafter with format 'speculators' (vLLM) instead"
+        )
+    out = {
+        "architectures": [ARCH_EAGLE3],
+        **_llama_fields(cfg, dtype),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+    }
+    if list(cfg.aux_layers) != _default_aux(cfg.target_num_layers):
+        # SGLang reads these as "output of layer i" and adds 1 (module docstring).
+        out["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers],
+            "use_aux_hidden_state": True,
+        }
+    return out
+
+
+def _eagle1_config(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """``config.json`` of vLLM's EAGLE-1 layout (``EagleLlamaForCausalLM``)."""
+    return {"architectures": [ARCH_EAGLE1], **_llama_fields(cfg, dtype)}
+
+
+# --------------------------------------------------------------------------------------------
+# Model card
+# --------------------------------------------------------------------------------------------
+
+_TITLES = {
+    "speculators": "EAGLE-3 drafter (vLLM / speculators format)",
+    "eagle3": "EAGLE-3 drafter (SGLang / original EAGLE-3 format)",
+    "eagle": "EAGLE-1 drafter (vLLM `eagle` format)",
+}
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return "-" if value is None else str(value)
+
+
+def _usage(fmt: str, target: str, k: int) -> list[str]:
+    if fmt == "speculators":
+        return [
+            "```bash",
+            "# the verifier (target) is read from config.json",
+            "vllm serve <this directory>",
+            "```",
+            "```python",
+            "from vllm import LLM",
+            f'llm = LLM(model="{target}", speculative_config={{"method": "eagle3", '
+            f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
+            "```",
+        ]
+    if fmt == "eagle3":
+        return [
+            "```bash",
+            f"python -m sglang.launch_server --model-path {target} \\",
+            "    --speculative-algorithm EAGLE3 --speculative-draft-model-path <this directory> \\",
+            f"    --speculative-num-steps {k} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {k + 1}",
+            "```",
+        ]
+    return [
+        "```python",
+        "from vllm import LLM",
+        f'llm = LLM(model="{target}", speculative_config={{"method": "eagle", '
+        f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
+        "```",
+    ]
+
+
+def _model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k: int) -> str:
+    """README.md: what the drafter is for, how it was trained, τ if measured, how to serve."""
+    training = info.get("training") or {}
+    evaluation = info.get("evaluation")
+    if evaluation:
+        tau = (
+            f"{_fmt(evaluation.get('acceptance_length'))} (k = {_fmt(evaluation.get('k'))}, "
+            f"{_fmt(evaluation.get('num_prompts'))} prompts, temperature "
+            f"{_fmt(evaluation.get('temperature'))}; from `{Path(evaluation['file']).name}`)"
+        )
+    else:
+        tau = "not measured"
+    aux = "-"
+    if cfg.version == 3:
+        aux = (
+            f"{cfg.aux_layers} as HF hidden_states indices (input to layer i) = vLLM "
+            f"`eagle_aux_hidden_state_layer_ids`; outputs of layers "
+            f"{[i - 1 for i in cfg.aux_layers]} (SGLang/SpecForge numbering)"
+        )
+    rows = [
+        ("target", f"`{target}`"),
+        ("training data", _fmt(training.get("data"))),
+        ("training steps", _fmt(training.get("steps"))),
+        ("EAGLE version", str(cfg.version)),
+        ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens"),
+        ("fused target layers", aux),
+        ("norm_before_residual", str(cfg.norm_before_residual) if cfg.version == 3 else "-"),
+        ("τ (tokens per target forward)", tau),
+    ]
+    if evaluation:
+        rows += [
+            ("acceptance per position α_i", _fmt(evaluation.get("acceptance_rate_per_position"))),
+            ("speedup over plain decoding", _fmt(evaluation.get("speedup"))),
+        ]
+    lines = [
+        "---",
+        "tags: [speculative-decoding, eagle, draftsmith]",
+        "---",
+        "",
+        f"# {_TITLES[fmt]}",
+        "",
+        f"A draft head trained by draftsmith for **{target}**. The target verifies every "
+        "proposed token, so outputs are the target's own (greedy) or follow its distribution "
+        "(sampling). It reads the target's hidden states and shares the target's token "
+        "embedding" + (" and output head" if cfg.version == 1 else "") + ", so it only works "
+        "with that target.",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {a} | {b} |" for a, b in rows],
+        "",
+        "τ as defined in draftsmith's docs/metrics.md: tokens emitted per target forward, prefill "
+        "and bonus token included (plain decoding = 1).",
+        "",
+        "## Usage",
+        "",
+        *_usage(fmt, target, k),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, state: dict[str, torch.Tensor]) -> torch.dtype:
+    if dtype is None:
+        return state["fc.weight"].dtype
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch dtype name, got {dtype!r}")
+        return value
+    return dtype
+
+
+def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``; an old ``out`` is moved aside first (a directory
+    cannot be renamed onto a non-empty one), so ``out`` is always a complete export."""
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+        os.replace(out, old / "x")
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _export(
+    fmt: str,
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    make_config,
+    target_name: str | None,
+    speculative_tokens: int,
+    dtype: torch.dtype | str | None,
+    metrics_json: str | Path | None,
+    overwrite: bool,
+) -> Path:
+    """Shared body of the three exports: read, rename, write to a temp dir, check, rename."""
+    from safetensors.torch import load_file, save_file
+
+    src = _source_dir(src_dir)
+    cfg, state = _read_drafter(src)
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    want = _resolve_dtype(dtype, state)
+    config = make_config(cfg, want)
+    info = _provenance(src, metrics_json)
+    target = target_name or (info.get("training") or {}).get("target") or "the target model"
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if name in ("d2t", "t2d"):
+            if _full_vocab(cfg):
+                continue  # see the module docstring: vLLM rejects maps it did not create
+            # Integer/bool buffers keep their dtypes (vLLM: int64 d2t; speculators: bool t2d).
+            value = value.to(torch.long if name == "d2t" else torch.bool)
+        else:
+            value = value.to(want)
+        tensors[_to_export(name, fmt)] = value.contiguous()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        provenance = {
+            "format": fmt,
+            "drafter_config": cfg.to_dict(),
+            "dtype": _dtype_name(want),
+            **info,
+        }
+        (tmp / INFO_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        (tmp / "README.md").write_text(_model_card(fmt, cfg, info, target, speculative_tokens))
+        # The export must hold exactly the source's tensors under the new names.
+        written = load_file(str(tmp / WEIGHTS_FILE))
+        bad = sorted(k for k, v in tensors.items() if not torch.equal(written.get(k, v[:0]), v))
+        if bad or set(written) != set(tensors):
+            raise RuntimeError(f"export check failed: tensors {bad} differ after writing")
+        _replace_dir(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_speculators(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    verifier_name_or_path: str,
+    verifier_architectures: list[str] | None = None,
+    speculative_tokens: int = 3,
+    dtype: torch.dtype | str | None = None,
+    metrics_json: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export an EAGLE-3 drafter in vllm-project/speculators' format (what vLLM loads).
+
+    Args:
+        src_dir: a drafter saved by ``save_drafter`` (or the recipe's output_dir holding
+            ``drafter/``).
+        out_dir: destination directory; written atomically.
+        verifier_name_or_path: the target as vLLM should load it (HF id or path); ``vllm serve
+            <out_dir>`` starts this model.
+        verifier_architectures: the target's architectures (default: read from a local
+            verifier directory, else ``["LlamaForCausalLM"]``).
+        speculative_tokens: k, vLLM's ``num_speculative_tokens`` when served from the config.
+        dtype: weight dtype of the export (default: as saved); ``d2t``/``t2d`` keep theirs.
+        metrics_json: an evaluation results file for the model card's τ (default: searched
+            beside the drafter).
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        FileNotFoundError: no saved drafter at ``src_dir``.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        ValueError: the drafter is EAGLE-1 (use :func:`export_eagle`) or is inconsistent.
+    """
+    if speculative_tokens < 1:
+        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+
+    def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
+        if cfg.version != 3:
+            raise ValueError("the speculators format holds EAGLE-3 drafters; use export_eagle")
+        return _speculators_config(
+            cfg, dtype_, verifier_name_or_path, verifier_architectures, speculative_tokens
+        )
+
+    return _export(
+        "speculators",
+        src_dir,
+        out_dir,
+        make_config=make,
+        target_name=verifier_name_or_path,
+        speculative_tokens=speculative_tokens,
+        dtype=dtype,
+        metrics_json=metrics_json,
+        overwrite=overwrite,
+    )
+
+
+def export_eagle3(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    target_name_or_path: str | None = None,
+    speculative_tokens: int = 3,
+    dtype: torch.dtype | str | None = None,
+    metrics_json: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export an EAGLE-3 drafter in SGLang's / the original EAGLE-3 layout (``midlayer.*``).
+
+    Args:
+        src_dir, out_dir, dtype, metrics_json, overwrite: as :func:`export_speculators`.
+        target_name_or_path: the target, for the model card's usage lines (not in the config:
+            SGLang takes the target on its command line).
+        speculative_tokens: draft steps suggested in the model card.
+
+    Raises:
+        ValueError: the drafter is EAGLE-1, or uses ``norm_before_residual=True`` (SGLang's
+            EAGLE-3 layer cannot express it).
+    """
+
+    def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
+        if cfg.version != 3:
+            raise ValueError("the eagle3 format holds EAGLE-3 drafters; use export_eagle")
+        return _eagle3_config(cfg, dtype_)
+
+    return _export(
+        "eagle3",
+        src_dir,
+        out_dir,
+        make_config=make,
+        target_name=target_name_or_path,
+        speculative_tokens=speculative_tokens,
+        dtype=dtype,
+        metrics_json=metrics_json,
+        overwrite=overwrite,
+    )
+
+
+def export_eagle(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    target_name_or_path: str | None = None,
+    speculative_tokens: int = 3,
+    dtype: torch.dtype | str | None = None,
+    metrics_json: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export an EAGLE-1 drafter in vLLM's ``eagle`` layout (``EagleLlamaForCausalLM``).
+
+    Args: as :func:`export_eagle3`.
+
+    Raises:
+        ValueError: the drafter is EAGLE-3 (use :func:`export_speculators`).
+    """
+
+    def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
+        if cfg.version != 1:
+            raise ValueError("the eagle format holds EAGLE-1 drafters; use export_speculators")
+        return _eagle1_config(cfg, dtype_)
+
+    return _export(
+        "eagle",
+        src_dir,
+        out_dir,
+        make_config=make,
+        target_name=target_name_or_path,
+        speculative_tokens=speculative_tokens,
+        dtype=dtype,
+        metrics_json=metrics_json,
+        overwrite=overwrite,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading an export back (round trips)
+# --------------------------------------------------------------------------------------------
+
+
+def export_format(config: dict[str, Any]) -> str:
+    """Which of :data:`FORMATS` a ``config.json`` dict is."""
+    arch = config.get("architectures") or []
+    if config.get("speculators_model_type") is not None:
+        if config["speculators_model_type"] != "eagle3":
+            raise ValueError(
+                f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 is "
+                "supported"
+            )
+        return "speculators"
+    if ARCH_EAGLE3 in arch:
+        return "eagle3"
+    if ARCH_EAGLE1 in arch or config.get("model_type") == "eagle":
+        return "eagle"
+    raise ValueError(f"not an EAGLE export: architectures {arch}")
+
+
+def _rope_from_export(layer: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    if "rope_theta" in layer:
+        return float(layer["rope_theta"]), layer.get("rope_scaling")
+    params = dict(layer.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", 10000.0))
+    return theta, (params if params.get("rope_type", "default") != "default" else None)
+
+
+def _config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> EagleConfig:
+    """Rebuild our :class:`EagleConfig` from an export's ``config.json`` (inverse mapping)."""
+    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
+    n = int(target_config.num_hidden_layers)
+    unsupported = {
+        "num_hidden_layers": (layer.get("num_hidden_layers", 1), 1),
+        "attention_bias": (layer.get("attention_bias", False), False),
+        "mlp_bias": (layer.get("mlp_bias", False), False),
+        "norm_before_fc": (raw.get("norm_before_fc", False), False),
+        "fc_norm": (raw.get("fc_norm", False), False),
+        "norm_output": (raw.get("norm_output", False), False),
+        "target_hidden_size": (
+            raw.get("target_hidden_size", layer["hidden_size"]),
+            layer["hidden_size"],
+        ),
+    }
+    bad = [f"{k} = {got!r}" for k, (got, ok) in unsupported.items() if got != ok]
+    if bad:
+        raise ValueError(f"export uses variants our EagleDrafter does not implement: {bad}")
+    version = 1 if fmt == "eagle" else 3
+    aux: list[int] = []
+    norm_before_residual = False
+    if fmt == "speculators":
+        if "norm_before_residual" not in raw:
+            # vLLM defaults a missing one to True, speculators to False: refuse to guess.
+            raise ValueError("speculators config lacks norm_before_residual")
+        norm_before_residual = bool(raw["norm_before_residual"])
+        aux = list(raw.get("eagle_aux_hidden_state_layer_ids") or _default_aux(n))
+    elif fmt == "eagle3":
+        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = [i + 1 for i in ids] if ids else _default_aux(n)
+        if raw.get("norm_before_residual"):
+            raise ValueError("eagle3 (SGLang) exports cannot use norm_before_residual=True")
+    theta, scaling = _rope_from_export(layer)
+    vocab = int(layer["vocab_size"])
+    return EagleConfig(
+        version=version,
+        hidden_size=int(layer["hidden_size"]),
+        intermediate_size=int(layer["intermediate_size"]),
+        num_attention_heads=int(layer["num_attention_heads"]),
+        num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        head_dim=int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
+        rms_norm_eps=float(layer["rms_norm_eps"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(layer["max_position_embeddings"]),
+        hidden_act=str(layer.get("hidden_act", "silu")),
+        vocab_size=vocab,
+        draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if version == 3 else vocab,
+        target_num_layers=n,
+        aux_layers=aux,
+        norm_before_residual=norm_before_residual,
+    )
+
+
+def load_export(
+    path: str | Path, target: torch.nn.Module, *, dtype: torch.dtype | None = None
+) -> EagleDrafter:
+    """Load an export written by this module as our :class:`EagleDrafter` (reverse mapping).
+
+    Args:
+        path: the export directory.
+        target: the target it serves (shares its embedding, and head for EAGLE-1; gives the
+            layer count, which no export format records).
+        dtype: cast parameters to this dtype (default: as exported).
+
+    Raises:
+        FileNotFoundError / ValueError: naming the file and field that is missing or wrong.
+    """
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    for p in (root / CONFIG_FILE, root / WEIGHTS_FILE):
+        if not p.is_file():
+            raise FileNotFoundError(f"EAGLE export: {p} not found")
+    raw = json.loads((root / CONFIG_FILE).read_text())
+    fmt = export_format(raw)
+    cfg = _config_from_export(fmt, raw, target.config)
+    if cfg.hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"{root / CONFIG_FILE}: hidden/vocab size {cfg.hidden_size}/{cfg.vocab_size} do not "
+            f"match the target's {target.config.hidden_size}/{target.config.vocab_size}"
+        )
+    state = {_from_export(k, fmt): v for k, v in load_file(str(root / WEIGHTS_FILE)).items()}
+    if cfg.version == 3 and _full_vocab(cfg) and "d2t" not in state:
+        # Full draft vocabulary: the identity maps our drafter holds (omitted in the export).
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    _check_tensors(state, _expected_shapes(cfg), str(root / WEIGHTS_FILE))
+    head = target.get_output_embeddings() if cfg.version == 1 else None
+    embed = target.get_input_embeddings()
+    saved = state["fc.weight"].dtype
+    drafter = EagleDrafter(cfg, embed, head).to(saved)
+    drafter.load_state_dict(state)
+    return drafter.to(device=embed.weight.device, dtype=dtype or saved).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def main_export_eagle(argv: list[str] | None = None) -> int:
+    """``draftsmith export --format speculators|eagle3|eagle --src DIR --out DIR ...``."""
+    parser = argparse.ArgumentParser(
+        prog="draftsmith export",
+        description="Write a trained EAGLE drafter for serving: speculators (vLLM, EAGLE-3), "
+        "eagle3 (SGLang / original EAGLE-3), eagle (vLLM, EAGLE-1).",
+    )
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--src", required=True, help="the eagle recipe's output_dir or drafter/")
+    parser.add_argument("--out", required=True, help="destination directory")
+    parser.add_argument(
+        "--verifier",
+        default=None,
+        help="the target as the server should load it (HF id or path); required for speculators",
+    )
+    parser.add_argument("--k", type=int, default=3, help="speculative tokens (config / card)")
+    parser.add_argument(
+        "--dtype", default=None, help="weight dtype, e.g. bfloat16 (default: as saved)"
+    )
+    parser.add_argument("--metrics", default=None, help="evaluation JSON for the model card's τ")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = parser.parse_args(argv)
+    common = {
+        "speculative_tokens": args.k,
+        "dtype": args.dtype,
+        "metrics_json": args.metrics,
+        "overwrite": args.overwrite,
+    }
+    try:
+        if args.format == "speculators":
+            if not args.verifier:
+                parser.error("--format speculators needs --verifier (the target's id or path)")
+            out = export_speculators(
+                args.src, args.out, verifier_name_or_path=args.verifier, **common
+            )
+        elif args.format == "eagle3":
+            out = export_eagle3(args.src, args.out, target_name_or_path=args.verifier, **common)
+        else:
+            out = export_eagle(args.src, args.out, target_name_or_path=args.verifier, **common)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported ({args.format}) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_export_eagle())

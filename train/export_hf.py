@@ -1,0 +1,282 @@
+"""Export a draft LM as a plain Hugging Face model directory (``draftsmith export --format hf``).
+
+The directory is what every engine loads without custom code::
+
+    <out>/config.json, model.safetensors     AutoModelForCausalLM.from_pretrained(<out>)
+    <out>/generation_config.json             the target's EOS / pad ids
+    <out>/tokenizer.json, tokenizer_config.json, chat_template.jinja   the target's tokenizer
+    <out>/README.md                          model card: target, data, measured acceptance, usage
+    <out>/draftsmith_draft.json              what produced it (target, data, metrics), if known
+
+and it serves as ``target.generate(..., assistant_model=draft)`` in transformers and as a draft
+model in vLLM (``speculative_config={"method": "draft_model", "model": <out>, ...}``).
+
+Writes are atomic: everything goes into a temporary directory beside ``out`` that is renamed into
+place once complete (and, on export, reloaded and checked), so a crash never leaves a half model
+under the final name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["INFO_FILE", "export_hf", "main_export_hf", "model_card", "save_draft"]
+
+#: Training metadata written beside the weights (read back by :func:`export_hf` for the card).
+INFO_FILE = "draftsmith_draft.json"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return "-" if value is None else str(value)
+
+
+def model_card(info: dict[str, Any], out_name: str = "<this directory>") -> str:
+    """The README.md of a draft directory.
+
+    Args:
+        info: what is known about the draft; keys used when present: ``target``, ``data``,
+            ``init`` (e.g. ``"pruned [0]"``), ``loss``, ``steps``, ``compute_ratio``,
+            ``num_layers``, ``validation`` (``{"before": {...}, "after": {...}}`` with
+            ``expected_acceptance``, ``greedy_agreement``, ``tokens``).
+        out_name: how the usage snippets refer to the directory.
+
+    Returns:
+        Markdown with a YAML front matter (``library_name: transformers``).
+    """
+    target = info.get("target") or "the target model it was trained against"
+    lines = [
+        "---",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags: [speculative-decoding, draft-model, draftsmith]",
+        "---",
+        "",
+        "# Draft model for speculative decoding",
+        "",
+        f"A small causal LM trained by draftsmith to predict the next tokens of **{target}**, "
+        "sharing its tokenizer. Use it as the draft (assistant) model: the target verifies every "
+        "proposed token, so outputs are exactly the target's (greedy) or follow the target's "
+        "distribution (sampling).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| target | `{target}` |",
+        f"| initialisation | {_fmt(info.get('init'))} |",
+        f"| decoder layers | {_fmt(info.get('num_layers'))} |",
+        f"| compute per token vs target | {_fmt(info.get('compute_ratio'))} |",
+        f"| training data | `{_fmt(info.get('data'))}` |",
+        f"| loss | {_fmt(info.get('loss'))} |",
+        f"| optimizer steps | {_fmt(info.get('steps'))} |",
+    ]
+    val = info.get("validation") or {}
+    if val:
+        lines += [
+            "",
+            "## Measured on the validation split (teacher-forced, held out from training)",
+            "",
+            "`expected_acceptance` = mean over answer tokens of Σ_v min(p, q) (the speculative "
+            "sampling acceptance rate at temperature 1); `greedy_agreement` = share of tokens "
+            "where the draft's argmax is the target's (greedy acceptance).",
+            "",
+            "| | expected_acceptance | greedy_agreement | tokens |",
+            "|---|---|---|---|",
+        ]
+        for name in ("before", "after"):
+            m = val.get(name)
+            if m:
+                lines.append(
+                    f"| {name} training | {_fmt(m.get('expected_acceptance'))} | "
+                    f"{_fmt(m.get('greedy_agreement'))} | {_fmt(m.get('tokens'))} |"
+                )
+    lines += [
+        "",
+        "## Use",
+        "",
+        "transformers (assisted generation, batch size 1):",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "tok = AutoTokenizer.from_pretrained(TARGET)",
+        "target = AutoModelForCausalLM.from_pretrained(TARGET)",
+        f'draft = AutoModelForCausalLM.from_pretrained("{out_name}")',
+        "out = target.generate(**tok(prompt, return_tensors='pt'), assistant_model=draft,",
+        "                      do_sample=False, max_new_tokens=128)",
+        "```",
+        "",
+        "vLLM:",
+        "",
+        "```python",
+        "from vllm import LLM",
+        "llm = LLM(model=TARGET, speculative_config={",
+        f'    "method": "draft_model", "model": "{out_name}", "num_speculative_tokens": 5}})',
+        "```",
+        "",
+        "draftsmith: `draftsmith evaluate --drafter draft-lm --draft-model " + out_name + "`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` directory to ``out``."""
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        # A directory cannot be os.replace'd onto a non-empty one: move the old one aside first,
+        # so ``out`` is always either the old or the new complete model, never a mix.
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+        os.replace(out, old / "x")
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def save_draft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase | None,
+    out_dir: str | Path,
+    *,
+    info: dict[str, Any] | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    overwrite: bool = True,
+) -> Path:
+    """Write a draft as a ``save_pretrained`` directory with tokenizer and model card, atomically.
+
+    Args:
+        model: the draft causal LM (unwrapped from DDP/FSDP).
+        tokenizer: its tokenizer (the target's), or None to write none.
+        out_dir: destination directory.
+        info: metadata for the model card, also stored as ``draftsmith_draft.json``.
+        state_dict: weights to save instead of ``model.state_dict()`` (e.g. gathered from FSDP).
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        info = dict(info or {})
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+        (tmp / "README.md").write_text(model_card(info, out_name=str(out)))
+        _replace_dir(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _probe_ids(vocab_size: int, length: int = 16) -> torch.Tensor:
+    """A fixed ``[1, length]`` token sequence for the reload check."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (1, length), generator=g)
+
+
+def export_hf(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tokenizer_src: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Export a trained draft as a standalone HF model directory, checked by reloading it.
+
+    Args:
+        src_dir: a draft directory written by ``recipes/distill.py`` (its ``output_dir`` or the
+            ``draft/`` directory inside it) or any local HF causal-LM directory.
+        out_dir: destination; written atomically.
+        tokenizer_src: where to take the tokenizer from (default: ``src_dir``); give the target's
+            directory when the source has none.
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        FileNotFoundError: no model (``config.json``) or no tokenizer was found.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
+        ValueError: the tokenizer has more tokens than the model has output rows.
+        RuntimeError: the reloaded export's logits differ from the source's.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(src_dir)
+    if not (src / "config.json").is_file() and (src / "draft" / "config.json").is_file():
+        src = src / "draft"  # the recipe's output_dir
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src_dir}: no draft model here (no config.json)")
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    tok_dir = Path(tokenizer_src) if tokenizer_src is not None else src
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    except Exception as exc:
+        hint = "" if tokenizer_src else " (pass tokenizer_src / --tokenizer, e.g. the target dir)"
+        raise FileNotFoundError(f"cannot load a tokenizer from {tok_dir}: {exc}{hint}") from exc
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    rows = model.get_output_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"tokenizer from {tok_dir} has {len(tokenizer)} tokens but the model only {rows} "
+            "output rows: it is not this model's tokenizer"
+        )
+    info_file = src / INFO_FILE
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    info.setdefault("num_layers", model.config.num_hidden_layers)
+    info["exported_from"] = str(src)
+    save_draft(model, tokenizer, out, info=info, overwrite=overwrite)
+    # Check the export really is the same model (not merely loadable): same logits, bit for bit.
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = _probe_ids(min(rows, len(tokenizer)))
+    with torch.no_grad():
+        same = torch.equal(model(ids).logits, reloaded(ids).logits)
+    if not same:
+        raise RuntimeError(f"export check failed: {out} gives different logits than {src}")
+    return out
+
+
+def main_export_hf(argv: list[str] | None = None) -> int:
+    """``draftsmith export --format hf``: ``--src DIR --out DIR [--tokenizer DIR] [--overwrite]``."""
+    parser = argparse.ArgumentParser(
+        prog="draftsmith export --format hf",
+        description="Write a trained draft LM as a save_pretrained directory (model, tokenizer, "
+        "generation config, model card) for HF assisted generation and vLLM draft models.",
+    )
+    parser.add_argument("--src", required=True, help="the distill recipe's output_dir or draft/")
+    parser.add_argument("--out", required=True, help="destination directory")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer source (default: --src)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    args = parser.parse_args(argv)
+    try:
+        out = export_hf(args.src, args.out, tokenizer_src=args.tokenizer, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"exported to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_export_hf())

@@ -1,0 +1,306 @@
+"""Export trained Medusa heads for serving: vLLM's Medusa layout and the original repo's layout.
+
+``medusa-vllm`` (vLLM ``vllm/model_executor/models/medusa.py`` + ``transformers_utils/configs/
+medusa.py``)::
+
+    config.json        model_type "medusa", architectures ["MedusaModel"], num_heads,
+                       num_hidden_layers (residual layers per head), hidden_size, vocab_size,
+                       truncated_vocab_size (= vocab_size: no token map), medusa_fc_bias true
+                       (our residual layers have a bias; vLLM's default is none), original_lm_head
+                       (true when the heads share the target's lm_head)
+    model.safetensors  blocks.{h}.layers.{l}.weight / .bias, lm_heads.{h}.weight
+                       (shared lm_head: lm_heads.0.weight only, which vLLM loads as lm_head.weight)
+
+``medusa`` (FasterDecoding/Medusa ``medusa/model/medusa_model.py``; also read by TGI and
+TensorRT-LLM's converter)::
+
+    config.json                  medusa_num_heads, medusa_num_layers, base_model_name_or_path
+    medusa_lm_head.safetensors   {h}.{l}.linear.weight / .bias, {h}.{L}.weight (nn.Sequential
+                                 of L ResBlocks then the projection, per head)
+
+The original builds a head's L ResBlocks as ``[ResBlock(H)] * L`` -- one module repeated, so all
+L layers share one weight. Heads with L > 1 distinct layers cannot be written in that layout
+(loading would keep one layer); :func:`export_medusa_original` refuses them.
+
+Both exports are written to a temporary directory beside ``out_dir`` and moved into place
+(``os.replace``), so ``out_dir`` never holds a half-written export. Each gets a short README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, MedusaHeads, load_medusa
+
+__all__ = [
+    "ORIGINAL_WEIGHTS",
+    "VLLM_WEIGHTS",
+    "export_medusa_original",
+    "export_medusa_vllm",
+    "load_medusa_export",
+]
+
+VLLM_WEIGHTS = "model.safetensors"
+ORIGINAL_WEIGHTS = "medusa_lm_head.safetensors"
+
+
+def _atomic_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a fresh temp dir beside ``out_dir``, then move it into place."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write(tmp)
+        old = None
+        if out_dir.exists():
+            # A directory cannot be renamed onto a non-empty one: move the old export aside.
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _tensors(heads: MedusaHeads, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    state = heads.state_dict()
+    return {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _tree_note(src_dir: Path) -> str:
+    acc = src_dir / ACCURACY_FILE
+    if not acc.is_file():
+        return ""
+    report = json.loads(acc.read_text())
+    top1 = ", ".join(f"{a:.3f}" for a in report.get("top1", []))
+    tree = report.get("tree", {})
+    return (
+        f"\nValidation top-1 accuracy per head (vs. the target's greedy token): [{top1}].\n"
+        f"Automatic tree ({tree.get('nodes')} nodes, predicted τ "
+        f"{tree.get('expected_acceptance_length', float('nan')):.2f}), as `medusa_choices`:\n\n"
+        f"```\n{json.dumps(tree.get('medusa_choices', []))}\n```\n"
+    )
+
+
+def export_medusa_vllm(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    target_name_or_path: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write heads from ``src_dir`` (our layout) in vLLM's Medusa layout.
+
+    Args:
+        src_dir: a training output directory (``config.json`` + ``model.safetensors``).
+        out_dir: the export directory (replaced atomically if it exists).
+        target_name_or_path: the target to serve with (recorded in the config and README; vLLM
+            takes the target separately). Default: the one the heads were trained for.
+        dtype: cast the weights (e.g. ``torch.bfloat16``); default: as trained.
+
+    Returns:
+        ``out_dir``.
+    """
+    src_dir = Path(src_dir)
+    heads = load_medusa(src_dir)
+    src_config = json.loads((src_dir / "config.json").read_text())
+    target = target_name_or_path or src_config.get("target_name_or_path")
+    tensors = _tensors(heads, dtype)
+    if heads.share_lm_head:
+        # vLLM's original_lm_head: one projection for all heads, loaded from lm_heads.0.weight.
+        tensors["lm_heads.0.weight"] = tensors.pop("lm_head.weight")
+    config: dict[str, Any] = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "num_heads": heads.num_heads,
+        "num_hidden_layers": heads.num_layers,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "truncated_vocab_size": heads.vocab_size,
+        "medusa_fc_bias": True,
+        "original_lm_head": heads.share_lm_head,
+        "max_paths": 64,
+        "topk": 10,
+        "torch_dtype": _dtype_name(next(iter(tensors.values()))),
+    }
+    if target:
+        config["base_model_name_or_path"] = str(target)
+    if src_config.get("target_dir"):
+        config["medusa2_fine_tuned_target"] = True
+    readme = _readme(
+        "vLLM Medusa",
+        heads,
+        target,
+        src_config,
+        serve=(
+            "```\nvllm serve <target> --speculative-config "
+            f'\'{{"method": "medusa", "model": "<this dir>", "num_speculative_tokens": '
+            f"{heads.num_heads}}}'\n```\n\nvLLM drafts a chain (top-1 of each head).\n"
+        ),
+    ) + _tree_note(src_dir)
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / VLLM_WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme)
+
+    return _atomic_dir(Path(out_dir), write)
+
+
+def export_medusa_original(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    base_model_name_or_path: str,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write heads from ``src_dir`` (our layout) in FasterDecoding/Medusa's layout.
+
+    Args:
+        src_dir: a training output directory.
+        out_dir: the export directory (replaced atomically if it exists).
+        base_model_name_or_path: the target, as the original code loads it (a hub id or path).
+        dtype: cast the weights; default: as trained.
+
+    Raises:
+        ValueError: If the heads have more than one residual layer (the original layout shares
+            one ResBlock across a head's layers; see the module docstring).
+    """
+    src_dir = Path(src_dir)
+    heads = load_medusa(src_dir)
+    if heads.num_layers != 1:
+        raise ValueError(
+            f"the original Medusa layout repeats ONE ResBlock per head ([ResBlock] * layers), so "
+            f"heads with {heads.num_layers} distinct residual layers cannot be written in it; "
+            "export to medusa-vllm instead"
+        )
+    src_config = json.loads((src_dir / "config.json").read_text())
+    ours = _tensors(heads, dtype)
+    tensors = {}
+    L = heads.num_layers
+    for h in range(heads.num_heads):
+        for layer in range(L):
+            tensors[f"{h}.{layer}.linear.weight"] = ours[f"blocks.{h}.layers.{layer}.weight"]
+            tensors[f"{h}.{layer}.linear.bias"] = ours[f"blocks.{h}.layers.{layer}.bias"]
+        proj = ours["lm_head.weight"] if heads.share_lm_head else ours[f"lm_heads.{h}.weight"]
+        # The original has one projection per head: a shared one is written K times.
+        tensors[f"{h}.{L}.weight"] = proj.clone() if heads.share_lm_head else proj
+    config = {
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": L,
+        "base_model_name_or_path": str(base_model_name_or_path),
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "torch_dtype": _dtype_name(next(iter(tensors.values()))),
+    }
+    readme = _readme(
+        "original Medusa (FasterDecoding/Medusa)",
+        heads,
+        base_model_name_or_path,
+        src_config,
+        serve="Load with the Medusa repository's `MedusaModel.from_pretrained(<this dir>)`, or "
+        "TGI / TensorRT-LLM's Medusa support, which read the same files.\n",
+    ) + _tree_note(src_dir)
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / ORIGINAL_WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme)
+
+    return _atomic_dir(Path(out_dir), write)
+
+
+def _readme(
+    layout: str, heads: MedusaHeads, target: Any, src_config: dict[str, Any], serve: str
+) -> str:
+    stage = src_config.get("stage", "medusa1")
+    lossless = (
+        "Medusa-2: the heads were trained jointly with LoRA adapters on the target; they must be "
+        "served with the merged fine-tuned target written beside them by the training run "
+        "(`target/`). Outputs are lossless with respect to that fine-tuned target, NOT the "
+        "original one.\n"
+        if stage == "medusa2"
+        else "Medusa-1: the target was frozen; with greedy verification the output is the "
+        "target's own output token for token.\n"
+    )
+    return (
+        f"# Medusa heads ({layout} layout)\n\n"
+        f"Trained with draftsmith for the target `{target}`.\n\n"
+        f"- heads: {heads.num_heads} (head k predicts the token k+2 positions after the hidden "
+        f"state's position)\n- residual layers per head: {heads.num_layers}\n"
+        f"- hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}\n"
+        f"- lm_head shared with the target: {heads.share_lm_head}\n\n"
+        f"{lossless}\n## Serving\n\n{serve}"
+    )
+
+
+def load_medusa_export(path: str | Path) -> MedusaHeads:
+    """Load heads from any of the three layouts: vLLM, original Medusa, or ours.
+
+    Raises:
+        ValueError: If the directory holds none of them.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    if (path / ORIGINAL_WEIGHTS).is_file():
+        state = load_file(str(path / ORIGINAL_WEIGHTS))
+        K, L = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+        vocab, hidden = state[f"0.{L}.weight"].shape
+        heads = MedusaHeads(K, L, hidden, vocab)
+        ours = {}
+        for h in range(K):
+            for layer in range(L):
+                w = state[f"{h}.{layer}.linear.weight"]
+                ours[f"blocks.{h}.layers.{layer}.weight"] = w
+                ours[f"blocks.{h}.layers.{layer}.bias"] = state.get(
+                    f"{h}.{layer}.linear.bias", torch.zeros(hidden, dtype=w.dtype)
+                )
+            ours[f"lm_heads.{h}.weight"] = state[f"{h}.{L}.weight"]
+    elif config.get("model_type") == "medusa":
+        state = load_file(str(path / VLLM_WEIGHTS))
+        state = {k.removeprefix("medusa_heads."): v for k, v in state.items()}
+        K, L = int(config["num_heads"]), int(config["num_hidden_layers"])
+        share = bool(config.get("original_lm_head", False))
+        heads = MedusaHeads(K, L, int(config["hidden_size"]), int(config["vocab_size"]),
+                            share_lm_head=share)  # fmt: skip
+        ours = dict(state)
+        for h in range(K):
+            for layer in range(L):
+                key = f"blocks.{h}.layers.{layer}.bias"
+                if key not in ours:  # medusa_fc_bias false: no bias
+                    w = ours[f"blocks.{h}.layers.{layer}.weight"]
+                    ours[key] = torch.zeros(w.shape[0], dtype=w.dtype)
+        if share:
+            ours["lm_head.weight"] = ours.pop("lm_heads.0.weight")
+    elif config.get("format") == FORMAT:
+        return load_medusa(path)
+    else:
+        raise ValueError(
+            f"{path} holds no Medusa heads: expected {ORIGINAL_WEIGHTS} (original layout), a "
+            "config.json with model_type 'medusa' (vLLM) or a draftsmith Medusa directory"
+        )
+    heads.load_state_dict(ours)
+    dtype = next(iter(ours.values())).dtype
+    return heads.to(dtype).eval()

@@ -1,0 +1,404 @@
+"""Medusa training: head losses, accuracies, the Medusa-2 joint objective, LR schedules.
+
+**Alignment.** ``h_t`` is the target's final normed hidden state at position t; the target's
+lm_head on it predicts token t+1. Head k (0-based) on ``h_t`` predicts token **t+k+2** (Medusa
+§2.1.1, 1-based head k -> t+k+1). Its label is either
+
+* ``data``: ``input_ids[t+k+2]``, the data's own token (Medusa-1 §2.2.1), or
+* ``target`` / ``target_soft``: the target's own prediction for that position, i.e. the argmax
+  (or the whole distribution) of its logits at position ``t+k+1`` -- self-distillation (Medusa
+  §2.3.1). On self-distilled greedy data the two agree; on other data the target's prediction
+  is what greedy verification will accept.
+
+A label counts only where ``loss_mask[t+k+2] == 1`` (an assistant token). Head k's loss is the
+mean cross-entropy over its positions; the total is ``Σ_k decay^k · L_k`` with decay 0.8
+(Medusa §2.2.1: later heads are less certain, so they weigh less).
+
+**Medusa-2** (§2.2.2): LoRA adapters on the target (``peft``) train jointly with the heads on
+``L_target + λ Σ_k 0.8^k L_k``, where ``L_target`` is the target's next-token loss on the data,
+or the KL divergence from the frozen original target (adapters disabled) to the adapted one,
+which keeps the target's output distribution. A heads-only warm-up comes first (the random
+heads' large early gradients would otherwise disturb the target), and the heads get a larger
+learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
+
+__all__ = [
+    "HEAD_LABELS",
+    "TARGET_LOSSES",
+    "Medusa1Objective",
+    "Medusa2Objective",
+    "accuracy_report",
+    "add_lora",
+    "as_teacher",
+    "head_label_positions",
+    "head_weights",
+    "medusa_head_losses",
+    "rank_counts",
+    "warmup_cosine",
+]
+
+HEAD_LABELS = ("data", "target", "target_soft")
+TARGET_LOSSES = ("lm", "kl")
+TOPK = 5  # the "top-5" of the per-head accuracy metrics
+
+
+def as_teacher(lm_head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's lm_head as a teacher that accepts hidden states of any dtype.
+
+    The heads train in fp32 while the target may hold bf16 weights (GPU).
+    """
+    dtype = lm_head.weight.dtype
+    return lambda h: lm_head(h.to(dtype))
+
+
+def head_weights(num_heads: int, decay: float = 0.8) -> list[float]:
+    """``[decay^k for k < K]``: head k's weight in the total loss (Medusa §2.2.1)."""
+    return [decay**k for k in range(num_heads)]
+
+
+def head_label_positions(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions where head k is trained: t with ``loss_mask[b, t+k+2] == 1``.
+
+    Args:
+        loss_mask: ``[B, T]`` 1 on supervised tokens (0 on padding).
+        k: head index (0-based).
+
+    Returns:
+        ``(b, t)`` index tensors of the source positions; the label is at ``t + k + 2``.
+    """
+    shift = k + 2
+    valid = loss_mask[:, shift:].bool()  # column j <-> source position t = j
+    return valid.nonzero(as_tuple=True)
+
+
+def medusa_head_losses(
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    labels: str = "data",
+    teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    decay: float = 0.8,
+) -> dict[str, torch.Tensor]:
+    """Weighted cross-entropy of every head, and its top-1/top-5 hits.
+
+    Only the supervised positions go through the heads (a ``[B, T, V]`` logits tensor per head
+    would dominate memory for a 49k vocabulary).
+
+    Args:
+        heads: the Medusa heads.
+        hidden: ``[B, T, H]`` final normed target hidden states.
+        input_ids: ``[B, T]`` tokens.
+        loss_mask: ``[B, T]`` 1 on supervised tokens.
+        labels: ``data``, ``target`` (teacher argmax) or ``target_soft`` (teacher
+            distribution); see the module docstring.
+        teacher: maps hidden states ``[n, H]`` to the target's logits ``[n, V]`` (its lm_head);
+            needed for the ``target*`` labels. Called without gradients.
+        decay: head k's loss weight is ``decay^k``.
+
+    Returns:
+        ``loss`` (scalar, with grad), and per head ``[K]`` (no grad): ``head_loss`` (mean CE),
+        ``correct1``/``correct5`` (hits against the hard label), ``count`` (positions).
+    """
+    if labels not in HEAD_LABELS:
+        raise ValueError(f"labels must be one of {HEAD_LABELS}, got {labels!r}")
+    if labels != "data" and teacher is None:
+        raise ValueError(f"labels={labels!r} needs the target's lm_head as teacher")
+    K = heads.num_heads
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = {
+        name: torch.zeros(K, device=hidden.device)
+        for name in ("head_loss", "correct1", "correct5", "count")
+    }
+    for k, w in enumerate(head_weights(K, decay)):
+        b, t = head_label_positions(loss_mask, k)
+        if b.numel() == 0:
+            # Keep head k in the graph (DDP expects a gradient for every trainable parameter).
+            total = total + heads.head_logits(k, hidden[:0, :0]).float().sum()
+            continue
+        logits = heads.head_logits(k, hidden[b, t]).float()  # [n, V]
+        if labels == "data":
+            target_ids = input_ids[b, t + k + 2]
+            soft = None
+        else:
+            with torch.no_grad():
+                teacher_logits = teacher(hidden[b, t + k + 1].detach()).float()
+            target_ids = teacher_logits.argmax(-1)
+            soft = teacher_logits.softmax(-1) if labels == "target_soft" else None
+        if soft is None:
+            loss_k = F.cross_entropy(logits, target_ids)
+        else:
+            # Cross-entropy with the teacher's distribution (= KL + the teacher's entropy).
+            loss_k = -(soft * logits.log_softmax(-1)).sum(-1).mean()
+        total = total + w * loss_k
+        with torch.no_grad():
+            top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices
+            hit = top == target_ids[:, None]
+            stats["head_loss"][k] = loss_k.detach()
+            stats["correct1"][k] = hit[:, 0].sum()
+            stats["correct5"][k] = hit.any(-1).sum()
+            stats["count"][k] = b.numel()
+    return {"loss": total, **stats}
+
+
+class Medusa1Objective(nn.Module):
+    """Medusa-1 (frozen target): the heads and their loss, as one module for DDP.
+
+    DDP only synchronises gradients of computations that go through its wrapped module's
+    ``forward``, so the loss is computed here rather than by calling head methods directly.
+
+    Args:
+        heads: the trainable heads.
+        labels: see :func:`medusa_head_losses`.
+        decay: head loss decay.
+    """
+
+    def __init__(self, heads: MedusaHeads, *, labels: str = "data", decay: float = 0.8) -> None:
+        super().__init__()
+        self.heads = heads
+        self.labels = labels
+        self.decay = decay
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """See :func:`medusa_head_losses`; ``hidden [B, T, H]`` comes from the frozen target."""
+        hidden = hidden.to(next(self.heads.parameters()).dtype)
+        return medusa_head_losses(
+            self.heads, hidden, input_ids, loss_mask,
+            labels=self.labels, teacher=teacher, decay=self.decay,
+        )  # fmt: skip
+
+
+def add_lora(
+    target: nn.Module,
+    *,
+    r: int = 16,
+    alpha: int = 32,
+    dropout: float = 0.05,
+    target_modules: Sequence[str] | None = None,
+) -> nn.Module:
+    """Wrap the target with LoRA adapters (``peft``); only the adapters are trainable.
+
+    Args:
+        target: the HF causal LM (its own weights stay frozen).
+        r: LoRA rank.
+        alpha: LoRA scaling numerator (the update is ``alpha / r · B A``).
+        dropout: dropout on the adapter input.
+        target_modules: module names to adapt; default every attention and MLP projection.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    modules = list(target_modules or
+                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    target.requires_grad_(False)
+    return get_peft_model(target, config)
+
+
+class Medusa2Objective(nn.Module):
+    """Medusa-2: the LoRA-adapted target and the heads, trained jointly (§2.2.2).
+
+    Args:
+        target: the target wrapped by :func:`add_lora` (a ``peft`` model).
+        heads: the heads.
+        target_loss: ``lm`` (next-token CE on the data) or ``kl`` (KL from the original target,
+            adapters disabled, to the adapted one: keeps the target's distribution).
+        head_labels: see :func:`medusa_head_losses`; ``target*`` labels come from the adapted
+            target being trained (the one that will verify the drafts).
+        decay: head loss decay.
+        head_weight: λ, the heads' weight against the target loss.
+    """
+
+    def __init__(
+        self,
+        target: nn.Module,
+        heads: MedusaHeads,
+        *,
+        target_loss: str = "kl",
+        head_labels: str = "data",
+        decay: float = 0.8,
+        head_weight: float = 0.2,
+    ) -> None:
+        super().__init__()
+        if target_loss not in TARGET_LOSSES:
+            raise ValueError(f"target_loss must be one of {TARGET_LOSSES}, got {target_loss!r}")
+        self.target = target
+        self.heads = heads
+        self.target_loss = target_loss
+        self.head_labels = head_labels
+        self.decay = decay
+        self.head_weight = head_weight
+
+    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.target(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,  # logits are computed below, only where supervised
+        )
+        return out.hidden_states[-1]  # final normed output
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        loss_mask: torch.Tensor,
+        heads_only: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Joint loss; ``heads_only`` (the warm-up) runs the target without gradients.
+
+        Returns:
+            As :func:`medusa_head_losses`, plus ``head_total`` (the weighted head loss) and
+            ``target_loss`` (0 during the warm-up); ``loss`` is
+            ``target_loss + head_weight * head_total``.
+        """
+        lm_head = self.target.get_output_embeddings()
+        if heads_only:
+            with torch.no_grad():
+                hidden = self._hidden(input_ids, attention_mask)
+        else:
+            hidden = self._hidden(input_ids, attention_mask)
+        heads_dtype = next(self.heads.parameters()).dtype
+        out = medusa_head_losses(
+            self.heads, hidden.to(heads_dtype), input_ids, loss_mask,
+            labels=self.head_labels, teacher=as_teacher(lm_head), decay=self.decay,
+        )  # fmt: skip
+        head_total = out["loss"]
+        if heads_only:
+            target_loss = head_total.new_zeros(())
+        else:
+            # Next-token positions: t predicts t+1 where loss_mask[t+1] == 1.
+            b, t = loss_mask[:, 1:].bool().nonzero(as_tuple=True)
+            logits = lm_head(hidden[b, t]).float()
+            if self.target_loss == "lm":
+                target_loss = F.cross_entropy(logits, input_ids[b, t + 1])
+            else:
+                with torch.no_grad(), self.target.disable_adapter():
+                    ref = lm_head(self._hidden(input_ids, attention_mask)[b, t]).float()
+                target_loss = F.kl_div(
+                    logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                    reduction="batchmean",
+                )  # fmt: skip
+        out["head_total"] = head_total.detach()
+        out["target_loss"] = target_loss.detach()
+        out["loss"] = target_loss + self.head_weight * head_total
+        return out
+
+
+@torch.no_grad()
+def rank_counts(
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    loss_mask: torch.Tensor,
+    teacher: Callable[[torch.Tensor], torch.Tensor],
+    max_rank: int = 10,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How often the target's own next token sits at each rank of each head's logits.
+
+    The reference token for head k at position t is the target's argmax at position t+k+1 --
+    exactly what greedy verification accepts at that depth when the earlier tokens were right.
+
+    Args:
+        heads: the heads.
+        hidden: ``[B, T, H]`` final normed hidden states.
+        loss_mask: ``[B, T]``; positions count where the token head k predicts is supervised.
+        teacher: the target's lm_head (hidden ``[n, H]`` -> logits ``[n, V]``).
+        max_rank: ranks 0 .. max_rank-1 are counted.
+
+    Returns:
+        ``(counts [K, max_rank], totals [K])`` (float, summable across processes).
+    """
+    K = heads.num_heads
+    counts = torch.zeros(K, max_rank, device=hidden.device)
+    totals = torch.zeros(K, device=hidden.device)
+    hidden = hidden.to(next(heads.parameters()).dtype)
+    for k in range(K):
+        b, t = head_label_positions(loss_mask, k)
+        if b.numel() == 0:
+            continue
+        logits = heads.head_logits(k, hidden[b, t]).float()
+        want = teacher(hidden[b, t + k + 1]).argmax(-1)
+        # Rank = how many tokens score strictly higher than the wanted one.
+        rank = (logits > logits.gather(-1, want[:, None])).sum(-1)
+        counts[k] += torch.bincount(rank[rank < max_rank], minlength=max_rank).float()
+        totals[k] += b.numel()
+    return counts, totals
+
+
+def accuracy_report(
+    counts: torch.Tensor, totals: torch.Tensor, tree_nodes: int = 64
+) -> dict[str, Any]:
+    """Per-head accuracies and the automatic tree built from them.
+
+    Args:
+        counts: ``[K, R]`` from :func:`rank_counts` (summed over the validation data).
+        totals: ``[K]`` positions per head.
+        tree_nodes: node budget of the tree recorded with the report.
+
+    Returns:
+        ``{"positions", "top1", "top5", "rank_accuracy" [K][R], "tree": {"nodes",
+        "medusa_choices", "expected_acceptance_length"}, "chain_expected_acceptance_length"}``.
+    """
+    counts, totals = counts.double().cpu(), totals.double().cpu()
+    acc = counts / totals.clamp_min(1)[:, None]
+    rank_accuracy = [[round(float(a), 6) for a in row] for row in acc]
+    choices = build_tree(rank_accuracy, tree_nodes)
+    chain = [tuple([0] * (d + 1)) for d in range(len(rank_accuracy))]
+    return {
+        "reference": "the target's own greedy token (argmax of its logits at t+k+1)",
+        "positions": [int(x) for x in totals],
+        "top1": [float(a) for a in acc[:, 0]],
+        "top5": [float(a) for a in acc[:, :TOPK].sum(-1)],
+        "rank_accuracy": rank_accuracy,
+        "chain_expected_acceptance_length": expected_acceptance_length(chain, rank_accuracy),
+        "tree": {
+            "nodes": len(choices),
+            "medusa_choices": [list(c) for c in choices],
+            "expected_acceptance_length": expected_acceptance_length(choices, rank_accuracy),
+        },
+    }
+
+
+def warmup_cosine(warmup: int, total: int, start: int = 0) -> Callable[[int], float]:
+    """LR multiplier: 0 before ``start``, then linear warm-up over ``warmup`` steps, then cosine
+    decay to 0 at ``total`` (the schedule of ``transformers.get_cosine_schedule_with_warmup``,
+    delayed by ``start`` -- the Medusa-2 adapters sit out the heads-only warm-up).
+    """
+
+    def factor(step: int) -> float:
+        s = step - start
+        if s < 0:
+            return 0.0
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        span = max(1, total - start - warmup)
+        progress = min(1.0, (s - warmup) / span)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return factor
