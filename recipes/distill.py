@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -57,7 +56,7 @@ from draftsmith.train.distill_losses import (
 from draftsmith.train.draft_init import DRAFT_INITS, compute_ratio, init_draft
 from draftsmith.train.export_hf import save_draft
 from draftsmith.train.hidden_states import TokenDataset, collate_hidden_states, process_state
-from draftsmith.train.runinfo import run_info, write_json_atomic
+from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
 from draftsmith.train.target import TargetError, load_target
 
 
@@ -477,11 +476,6 @@ def run(cfg: DistillConfig) -> dict[str, Any]:
     # CPU processes need a CPU state before the Accelerator (see process_state); on a GPU
     # machine this is the normal one-process-per-device state.
     state = process_state()
-    if cfg.report_to == "wandb" and "WANDB_MODE" not in os.environ:
-        import wandb
-
-        if not wandb.api.api_key:
-            os.environ["WANDB_MODE"] = "offline"  # no key configured: keep the run on disk
     accelerator = Accelerator(
         cpu=state.device.type == "cpu",
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
@@ -570,7 +564,10 @@ def run(cfg: DistillConfig) -> dict[str, Any]:
         accelerator.init_trackers(
             cfg.wandb_project,
             config=config_to_dict(cfg),
-            init_kwargs={"wandb": {"job_type": "distill", "dir": str(cfg.output_dir)}},
+            # No API key configured: log offline to ./wandb (`wandb sync` uploads it later).
+            init_kwargs={
+                "wandb": {"job_type": "distill", "dir": str(cfg.output_dir), "mode": wandb_mode()}
+            },
         )
     if loop["before"] is None and val_samples:
         loop["before"] = validate(unwrapped, target, val_samples, cfg, accelerator)

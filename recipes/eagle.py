@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.data import build_dataset, template_fingerprint
     from draftsmith.train.eagle_ttt import eagle1_loss, eagle3_ttt_loss
     from draftsmith.train.hidden_states import CacheError, feature_source, process_state
-    from draftsmith.train.runinfo import run_info, write_json_atomic
+    from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
     from draftsmith.train.target import TargetError, load_target
     from draftsmith.train.vocab import coverage, draft_vocab, token_counts
 
@@ -178,11 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.threads)
     info = run_info()
     out = Path(cfg.output_dir)
-    if cfg.report_to == "wandb" and "WANDB_MODE" not in os.environ:
-        import wandb
-
-        if not wandb.api.api_key:
-            os.environ["WANDB_MODE"] = "offline"  # no key configured: keep the run on disk
     # CPU processes need a CPU state before the Accelerator, or 2 CPU processes started by
     # `accelerate launch` each believe they are alone (see process_state).
     state = process_state()
@@ -316,7 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         accelerator.init_trackers(
             cfg.wandb_project,
             config=config_to_dict(cfg),
-            init_kwargs={"wandb": {"name": f"eagle{cfg.version}-{out.name}", "job_type": "train"}},
+            # No API key configured: log offline to ./wandb (`wandb sync` uploads it later).
+            init_kwargs={
+                "wandb": {
+                    "name": f"eagle{cfg.version}-{out.name}",
+                    "job_type": "train",
+                    "mode": wandb_mode(),
+                }
+            },
         )
 
     # --- loop ---------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ W&B with ``--report-to wandb`` (offline when no API key is configured).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, pars
 from draftsmith.train.draft_length import AdaptiveDraftLength
 from draftsmith.train.metrics import results_table, summarize
 from draftsmith.train.prompts import PromptFileError, load_prompts, render_prompt
-from draftsmith.train.runinfo import run_info, write_json_atomic
+from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
 from draftsmith.train.sampling import SamplingParams, sampling_problems
 from draftsmith.train.speculative import generate
 from draftsmith.train.target import TargetError, load_target
@@ -330,10 +329,11 @@ def _log_wandb(cfg: EvalConfig, result: dict) -> None:
     """Log the summary metrics, α per position and per-prompt τ to W&B."""
     import wandb
 
-    if "WANDB_MODE" not in os.environ and not wandb.api.api_key:
-        os.environ["WANDB_MODE"] = "offline"  # no key configured: keep the run on disk
+    mode = wandb_mode()
+    if mode == "offline":
         print("W&B: no API key configured, logging offline (sync later with `wandb sync`)")
     run = wandb.init(
+        mode=mode,
         project=cfg.wandb_project,
         job_type="evaluate",
         config=result["config"],

@@ -67,7 +67,7 @@ from draftsmith.train.medusa_train import (
     rank_counts,
     warmup_cosine,
 )
-from draftsmith.train.runinfo import run_info, write_json_atomic
+from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
 
 TRAINER_STATE = "trainer_state.json"
 HEADS_SUBDIR = "heads"
@@ -357,11 +357,6 @@ def train(cfg: MedusaConfig) -> dict[str, Any]:
     medusa2 = cfg.stage == "medusa2"
 
     # --- accelerator ---------------------------------------------------------------------------
-    if cfg.report_to == "wandb" and "WANDB_MODE" not in os.environ:
-        import wandb
-
-        if not wandb.api.api_key:
-            os.environ["WANDB_MODE"] = "offline"  # no key configured: keep the run on disk
     accelerator = Accelerator(
         cpu=not _has_accelerator(),  # CPU processes form one gloo group (see process_state)
         gradient_accumulation_steps=cfg.grad_accum,
@@ -504,7 +499,8 @@ def train(cfg: MedusaConfig) -> dict[str, Any]:
         accelerator.init_trackers(
             cfg.wandb_project, config=config_to_dict(cfg),
             init_kwargs={"wandb": {"name": f"{cfg.stage}-{out.name}", "dir": str(out),
-                                   "job_type": f"train-{cfg.stage}"}},
+                                   "job_type": f"train-{cfg.stage}",
+                                   "mode": wandb_mode()}},  # offline without an API key
         )  # fmt: skip
 
     # --- loop ----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Check that vLLM serves a speculative config losslessly, and measure τ there.
 
 Runs INSIDE the separate vLLM venv (see ``docs/serving.md``); it imports only the standard
-library, vLLM and what vLLM itself depends on (transformers for the chat template), never
-draftsmith, so it checks exactly what a user of our exports gets.
+library, vLLM and what vLLM itself depends on (transformers for the chat template, torch for
+``--dump-draft``), never draftsmith, so it checks exactly what a user of our exports gets.
 
 For the same prompts it decodes greedily (temperature 0) twice, each in its own subprocess
 (an ``LLM`` object does not give its memory back reliably, and two in one process can clash):
@@ -39,6 +39,13 @@ Usage (the venv's python; a speculators-format export needs only ``--draft``)::
     /work/venvs/vllm/bin/python scripts/vllm_check.py --method eagle3 --draft out/export \\
         --k 3 --prompts ../shared/data/alpaca_2k.jsonl --split heldout --limit 20
 
+``--dump-draft FILE`` (eagle, eagle3) also saves what vLLM actually loaded as the draft model
+(each linear layer applied to a fixed random input through vLLM's own kernels, the norms, ``d2t``,
+``compute_logits`` of a random hidden state, whether embedding and head are shared with the
+target), so a test can compare it with the drafter the export came from. It uses
+``LLM.collective_rpc`` with a function, which needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+(set for that run only).
+
 Exit status: 0 when every output is identical, 1 when some differ, 2 on a usage error; a
 failed vLLM run raises (its log is on stderr).
 """
@@ -58,6 +65,8 @@ from pathlib import Path
 METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "medusa")
 NEEDS_DRAFT = ("draft_model", "eagle", "eagle3", "medusa")
 DEFAULT_TARGET = "~/.cache/draftsmith/targets/smollm2-135m-instruct"
+# Read as a data file (this script never imports draftsmith).
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "train" / "prompts" / "chat_prompts.jsonl"
 HELDOUT_MODULUS = 10  # shared/data convention: id % 10 == 9 is held out
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -75,7 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--method", choices=METHODS, default="ngram", help="speculative method")
     ap.add_argument("--draft", default=None, help="draft/export directory (not for ngram/none)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    ap.add_argument("--prompts", default=None, help="prompt JSONL (chat/alpaca/prompt records)")
+    ap.add_argument(
+        "--prompts",
+        default=str(DEFAULT_PROMPTS),
+        help="prompt JSONL (messages/sharegpt/alpaca/prompt/text records; default: the "
+        "project's own prompt set, train/prompts/chat_prompts.jsonl)",
+    )
     ap.add_argument(
         "--split",
         choices=("all", "heldout", "train"),
@@ -96,6 +110,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ngram-min", type=int, default=2, help="prompt_lookup_min (ngram)")
     ap.add_argument("--ngram-max", type=int, default=4, help="prompt_lookup_max (ngram)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per vLLM run")
+    ap.add_argument(
+        "--dump-draft",
+        default=None,
+        help="write what vLLM loaded as the draft model to this torch file: every linear layer "
+        "applied to a fixed random input, every non-empty parameter, compute_logits of a random "
+        "hidden state (tests compare it with the drafter the export came from)",
+    )
     ap.add_argument("--out", default=None, help="results JSON (default: print only)")
     # Internal: one vLLM run in this process (the parent starts two of these).
     ap.add_argument("--phase", choices=("plain", "spec"), default=None, help=argparse.SUPPRESS)
@@ -109,8 +130,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.draft = str(Path(os.path.expanduser(args.draft)).resolve())
     if args.k < 1:
         ap.error("--k must be >= 1")
-    if args.phase is None and not args.prompts:
-        ap.error("--prompts is required")
+    if args.dump_draft and args.method not in ("eagle", "eagle3"):
+        ap.error("--dump-draft works for --method eagle and eagle3")
+    if args.phase is None and not Path(args.prompts).is_file():
+        ap.error(f"--prompts: no file {args.prompts}")
     return args
 
 
@@ -227,12 +250,53 @@ def read_spec_metrics(llm) -> dict:
     return out
 
 
+def probe_draft(worker) -> dict:
+    """Runs inside vLLM's worker (``LLM.collective_rpc``): what the draft model computes.
+
+    On CPU vLLM repacks linear weights for its GEMM kernels and empties ``.weight``, so each
+    linear layer is probed through its own kernel instead: ``(x, layer(x))`` for a fixed random
+    ``x``. Embeddings shared with the target are skipped (flags say whether they are shared).
+    """
+    import torch
+
+    model = worker.model_runner.drafter.model
+    target = worker.model_runner.model
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {}
+    for name, mod in model.named_modules():
+        method = getattr(mod, "quant_method", None)
+        width = getattr(mod, "input_size", None) if hasattr(mod, "output_size") else None
+        if name.endswith("lm_head"):
+            width = getattr(mod, "embedding_dim", None)
+        if method is None or width is None or "embed_tokens" in name:
+            continue
+        x = torch.randn(3, width, generator=gen)
+        y = method.apply(mod, x)
+        # Flat keys: vLLM's RPC serializer turns tensors nested in tuples into lists.
+        out[f"linear_in:{name}"] = x
+        out[f"linear_out:{name}"] = (y[0] if isinstance(y, tuple) else y).detach().cpu()
+    for name, value in [*model.named_parameters(), *model.named_buffers()]:
+        if value.numel() and "embed_tokens" not in name and "lm_head" not in name:
+            out[f"param:{name}"] = value.detach().cpu().clone()
+    hidden = torch.randn(3, model.config.hidden_size, generator=gen)
+    out["logits_in"] = hidden
+    out["logits_out"] = model.compute_logits(hidden).detach().cpu()
+    out["shared_embed_tokens"] = model.model.embed_tokens is target.model.embed_tokens
+    out["shared_lm_head"] = getattr(model, "lm_head", None) is getattr(target, "lm_head", None)
+    return out
+
+
 def run_phase(args: argparse.Namespace) -> int:
     """Load vLLM once, decode every prompt one at a time, write tokens, timings and metrics."""
     from vllm import LLM, SamplingParams
 
     prompts = json.loads(Path(args.phase_in).read_text())
     spec = speculative_config(args) if args.phase == "spec" else None
+    dump = args.dump_draft if args.phase == "spec" else None
+    if dump:
+        # collective_rpc ships probe_draft to the engine process with cloudpickle, which vLLM
+        # allows only when asked to (this process's children inherit the setting).
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t0 = time.perf_counter()
     llm = LLM(
         model=args.target,
@@ -245,6 +309,10 @@ def run_phase(args: argparse.Namespace) -> int:
         disable_log_stats=False,  # get_metrics() needs the stat loggers
     )
     load_s = time.perf_counter() - t0
+    if dump:
+        import torch
+
+        torch.save(llm.collective_rpc(probe_draft)[0], dump)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     # Warm-up (not timed): the first request pays one-off kernel and allocator costs.
     llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"]}], params, use_tqdm=False)
@@ -321,6 +389,8 @@ def spawn_phase(args: argparse.Namespace, phase: str, prompts_file: str, out_fil
     ]
     if args.draft:
         cmd += ["--draft", args.draft]
+    if args.dump_draft:
+        cmd += ["--dump-draft", str(Path(args.dump_draft).resolve())]
     print(f"[vllm_check] {phase}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, timeout=args.timeout, check=False)
     if proc.returncode != 0:
@@ -422,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             "enforce_eager": True,
             "temperature": 0.0,
             "batch_size": 1,
+            "dump_draft": args.dump_draft,
         },
         **summary,
         "plain": plain,

@@ -310,5 +310,12 @@ def test_cli(tmp_path, tiny_target, capsys):
     assert ex.main_export_eagle(["--format", "eagle", "--src", str(src), "--out",
                                  str(tmp_path / "e1")]) == 2  # fmt: skip
     assert "exists" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # speculators needs --verifier
         ex.main_export_eagle(["--format", "speculators", "--src", str(src), "--out", "x"])
+    # --checkpoint is the recipe docstring's name for --src.
+    src3 = _save(tmp_path, _drafter(tiny_target, 3), name="src3")
+    args = ["--format", "speculators", "--checkpoint", str(src3), "--out", str(tmp_path / "s"),
+            "--verifier", "org/t", "--k", "4"]  # fmt: skip
+    assert ex.main_export_eagle(args) == 0
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4

@@ -44,7 +44,13 @@ if not (TARGET / "config.json").is_file():
     pytest.skip(f"real target not prepared at {TARGET}", allow_module_level=True)
 
 
-def run_check(tmp_path: Path, method: str, draft: Path | None = None, limit: int = 4) -> dict:
+def run_check(
+    tmp_path: Path,
+    method: str,
+    draft: Path | None = None,
+    limit: int = 4,
+    dump: Path | None = None,
+) -> dict:
     """Run scripts/vllm_check.py in the vLLM venv; return its results JSON."""
     out = tmp_path / f"vllm_{method}.json"
     keep = os.environ.get("DRAFTSMITH_VLLM_OUT")
@@ -72,6 +78,8 @@ def run_check(tmp_path: Path, method: str, draft: Path | None = None, limit: int
     ]
     if draft is not None:
         cmd += ["--draft", str(draft)]
+    if dump is not None:
+        cmd += ["--dump-draft", str(dump)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert out.is_file(), (
         f"vllm_check wrote no results:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -95,7 +103,8 @@ def target():
 def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
     """A trained drafter from ``env``, else a random one on the real target's config."""
     if os.environ.get(env):
-        return Path(os.environ[env])
+        path = Path(os.environ[env])
+        return path / "drafter" if (path / "drafter" / "config.json").is_file() else path
     import torch
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
@@ -104,13 +113,80 @@ def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
     cfg = EagleConfig.from_target(
         target.config, version, draft_vocab_size=8192 if version == 3 else None
     )
+    gen = torch.Generator().manual_seed(version)
     d2t = t2d = None
     if version == 3:
-        # Any valid reduced vocab exercises vLLM's d2t path: lower ids counted as more frequent.
-        counts = torch.arange(cfg.vocab_size, 0, -1)
+        # A scattered reduced vocab, so d2t is far from zero and a wrong map shows.
+        counts = torch.randperm(cfg.vocab_size, generator=gen)
         d2t, t2d = draft_vocab(counts, cfg.draft_vocab_size)
     drafter = build_drafter(target, cfg, d2t, t2d, seed=0)
+    with torch.no_grad():  # distinct random norms, so swapped norm names would show
+        for p in drafter.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
     return save_drafter(drafter, tmp_path / f"eagle{version}_random")
+
+
+def _close(got, want, what: str) -> None:
+    """vLLM's CPU GEMM kernels round differently from torch: compare to fp32 GEMM accuracy."""
+
+    err = (got - want).abs().max().item()
+    scale = max(want.abs().max().item(), 1.0)
+    assert err <= 1e-5 * scale, f"{what}: vLLM differs from our drafter by {err:.3g}"
+
+
+def _compare_with_vllm(dump_file: Path, src: Path, target) -> None:
+    """What vLLM loaded as the draft == the drafter the export was made from.
+
+    Every linear layer (through vLLM's packed kernels: q/k/v and gate/up fused), norm, the
+    vocab map and the logits (spread over the target vocab via ``d2t``) are compared; the
+    embedding (and EAGLE-1's head) must be the target's own module.
+    """
+    import torch
+
+    from draftsmith.heads.eagle import load_drafter
+
+    dump = torch.load(dump_file, weights_only=True)
+    drafter = load_drafter(src, target)
+    sd = drafter.state_dict()
+    v3 = drafter.config.version == 3
+    layer = "layers.0."
+    weights = {
+        "model.fc": sd["fc.weight"],
+        "model.layers.0.self_attn.qkv_proj": torch.cat(
+            [sd[f"{layer}self_attn.{p}_proj.weight"] for p in "qkv"]
+        ),
+        "model.layers.0.self_attn.o_proj": sd[f"{layer}self_attn.o_proj.weight"],
+        "model.layers.0.mlp.gate_up_proj": torch.cat(
+            [sd[f"{layer}mlp.gate_proj.weight"], sd[f"{layer}mlp.up_proj.weight"]]
+        ),
+        "model.layers.0.mlp.down_proj": sd[f"{layer}mlp.down_proj.weight"],
+        "lm_head": sd["lm_head.weight"] if v3 else target.get_output_embeddings().weight,
+    }
+    assert {k.removeprefix("linear_in:") for k in dump if k.startswith("linear_in:")} == set(
+        weights
+    )
+    for name, w in weights.items():
+        _close(dump[f"linear_out:{name}"], dump[f"linear_in:{name}"] @ w.T, name)
+    params = {k.removeprefix("param:"): v for k, v in dump.items() if k.startswith("param:")}
+    norms = {k for k in params if k.endswith("norm.weight")}
+    want_norms = {f"model.{k}" for k in sd if k.endswith("norm.weight")}
+    assert norms == want_norms
+    for k in norms:
+        assert torch.equal(params[k], sd[k.removeprefix("model.")]), k
+    if v3 and drafter.config.draft_vocab_size < drafter.config.vocab_size:
+        assert torch.equal(params["draft_id_to_target_id"], drafter.d2t)
+    else:
+        assert "draft_id_to_target_id" not in params
+    hidden, logits = dump["logits_in"], dump["logits_out"]
+    with torch.no_grad():
+        # vLLM applies the final norm in forward, before compute_logits; ours in logits().
+        ours = drafter.target_logits(drafter.lm_head(hidden)) if v3 else drafter.logits(hidden)
+    assert torch.equal(torch.isfinite(logits), torch.isfinite(ours))
+    finite = torch.isfinite(ours)
+    _close(logits[finite], ours[finite], "compute_logits")
+    assert dump["shared_embed_tokens"] is True
+    assert dump["shared_lm_head"] is (not v3)
 
 
 def _check(result: dict) -> None:
@@ -133,7 +209,8 @@ def test_eagle3_speculators_export(tmp_path, target):
 
     src = _drafter_dir("DRAFTSMITH_EAGLE3_DIR", 3, target, tmp_path)
     out = export_speculators(src, tmp_path / "speculators", verifier_name_or_path=str(TARGET))
-    _check(run_check(tmp_path, "eagle3", out))
+    _check(run_check(tmp_path, "eagle3", out, dump=tmp_path / "draft.pt"))
+    _compare_with_vllm(tmp_path / "draft.pt", src, target)
 
 
 def test_eagle3_sglang_layout_also_loads_in_vllm(tmp_path, target):
@@ -142,7 +219,8 @@ def test_eagle3_sglang_layout_also_loads_in_vllm(tmp_path, target):
 
     src = _drafter_dir("DRAFTSMITH_EAGLE3_DIR", 3, target, tmp_path)
     out = export_eagle3(src, tmp_path / "eagle3")
-    _check(run_check(tmp_path, "eagle3", out))
+    _check(run_check(tmp_path, "eagle3", out, dump=tmp_path / "draft.pt"))
+    _compare_with_vllm(tmp_path / "draft.pt", src, target)
 
 
 def test_eagle1_export(tmp_path, target):
@@ -150,7 +228,8 @@ def test_eagle1_export(tmp_path, target):
 
     src = _drafter_dir("DRAFTSMITH_EAGLE1_DIR", 1, target, tmp_path)
     out = export_eagle(src, tmp_path / "eagle")
-    _check(run_check(tmp_path, "eagle", out))
+    _check(run_check(tmp_path, "eagle", out, dump=tmp_path / "draft.pt"))
+    _compare_with_vllm(tmp_path / "draft.pt", src, target)
 
 
 @pytest.mark.skipif(

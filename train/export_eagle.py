@@ -1,10 +1,12 @@
 """Export EAGLE drafters for serving (``draftsmith export --format speculators|eagle3|eagle``).
 
 Each format is a plain weight-name mapping of a drafter saved by
-:func:`draftsmith.heads.eagle.save_drafter` (no tensor is transformed, only renamed) plus the
-``config.json`` its server reads. Every field below was checked against the loaders' source:
+:func:`draftsmith.heads.eagle.save_drafter` (tensors are only renamed, and cast when a dtype is
+asked for) plus the ``config.json`` its server reads. Every field below was checked against
+the loaders' source (vLLM 0.32.0, speculators v0.7.0, SGLang's ``llama_eagle3.py``) and, for
+vLLM, by loading each format (``tests/test_vllm.py``, ``docs/serving.md``):
 
-==============  ============================================================================
+===============  ===========================================================================
 ``speculators``  EAGLE-3 for vLLM (vllm-project/speculators' format). ``config.json``:
                  ``speculators_model_type: "eagle3"``, ``architectures: ["Eagle3Speculator"]``,
                  ``transformer_layer_config`` (a one-layer Llama config, ``vocab_size`` = the
@@ -29,7 +31,7 @@ Each format is a plain weight-name mapping of a drafter saved by
                  weights ``fc.weight`` (``[H, 2H]`` over concat(embedding, feature), no bias:
                  vLLM builds ``fc`` with ``bias=False``) and ``layers.0.*`` without
                  ``input_layernorm`` (vLLM swaps it for Identity).
-==============  ============================================================================
+===============  ===========================================================================
 
 No format carries ``embed_tokens`` (or, for EAGLE-1, ``lm_head``): vLLM and SGLang give the
 drafter the target's embedding (and head) when the checkpoint has none, which is exactly what
@@ -872,7 +874,13 @@ def main_export_eagle(argv: list[str] | None = None) -> int:
         "eagle3 (SGLang / original EAGLE-3), eagle (vLLM, EAGLE-1).",
     )
     parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument("--src", required=True, help="the eagle recipe's output_dir or drafter/")
+    parser.add_argument(
+        "--src",
+        "--checkpoint",
+        dest="src",
+        required=True,
+        help="the eagle recipe's output_dir or its drafter/ directory",
+    )
     parser.add_argument("--out", required=True, help="destination directory")
     parser.add_argument(
         "--verifier",

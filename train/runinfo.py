@@ -69,3 +69,21 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def wandb_mode() -> str | None:
+    """``"offline"`` when W&B has no API key configured (and ``WANDB_MODE`` is unset), else None.
+
+    Checked without importing wandb (touching ``wandb.api`` freezes its settings before the mode
+    is chosen). Recipes pass the result as ``wandb.init(mode=...)``, so a run without a key or a
+    network logs to ``./wandb`` (``wandb sync`` uploads it later) instead of failing.
+    """
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
+        return None
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return None
+    except OSError:
+        pass
+    return "offline"
