@@ -175,7 +175,7 @@ def _compare_with_vllm(dump_file: Path, src: Path, target) -> None:
     for k in norms:
         assert torch.equal(params[k], sd[k.removeprefix("model.")]), k
     if v3 and drafter.config.draft_vocab_size < drafter.config.vocab_size:
-        assert torch.equal(params["draft_id_to_target_id"], drafter.d2t)
+        assert torch.equal(params["draft_id_to_target_id"], drafter.d2t), "d2t differs"
     else:
         assert "draft_id_to_target_id" not in params
     hidden, logits = dump["logits_in"], dump["logits_out"]

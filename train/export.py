@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         out = export(cfg)
-    except (ValueError, OSError, KeyError) as exc:
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"exported {cfg.checkpoint} as {cfg.format} to {out}")

@@ -251,7 +251,12 @@ def _provenance(src: Path, metrics_json: str | Path | None) -> dict[str, Any]:
     if not metrics_json:
         skip = {CONFIG_FILE, INFO_FILE, "training_metrics.json", "trainer_state.json"}
         for place in places:
-            candidates += [p for p in sorted(place.glob("*.json")) if p.name not in skip]
+            # Results files are small; a size cap keeps a stray big JSON from being parsed.
+            candidates += [
+                p
+                for p in sorted(place.glob("*.json"))
+                if p.name not in skip and p.stat().st_size < 50 * 2**20
+            ]
     for path in candidates:
         result = _eval_result(_read_json(path))
         if result is not None:
