@@ -70,6 +70,7 @@ from typing import Any
 import torch
 
 from draftsmith.heads.eagle import EagleConfig, EagleDrafter
+from draftsmith.train.runinfo import replace_dir
 
 __all__ = [
     "FORMATS",
@@ -529,20 +530,6 @@ def _resolve_dtype(dtype: torch.dtype | str | None, state: dict[str, torch.Tenso
     return dtype
 
 
-def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` to ``out``; an old ``out`` is moved aside first (a directory
-    cannot be renamed onto a non-empty one), so ``out`` is always a complete export."""
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-        os.replace(out, old / "x")
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 def _export(
     fmt: str,
     src_dir: str | Path,
@@ -597,7 +584,7 @@ def _export(
         bad = sorted(k for k, v in tensors.items() if not torch.equal(written.get(k, v[:0]), v))
         if bad or set(written) != set(tensors):
             raise RuntimeError(f"export check failed: tensors {bad} differ after writing")
-        _replace_dir(tmp, out, overwrite)
+        replace_dir(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from draftsmith.train.runinfo import replace_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -131,21 +132,6 @@ def model_card(info: dict[str, Any], out_name: str = "<this directory>") -> str:
     return "\n".join(lines)
 
 
-def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished ``tmp`` directory to ``out``."""
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
-        # A directory cannot be os.replace'd onto a non-empty one: move the old one aside first,
-        # so ``out`` is always either the old or the new complete model, never a mix.
-        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-        os.replace(out, old / "x")
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 def save_draft(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase | None,
@@ -180,7 +166,7 @@ def save_draft(
         info = dict(info or {})
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(info, out_name=str(out)))
-        _replace_dir(tmp, out, overwrite)
+        replace_dir(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

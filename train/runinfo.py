@@ -87,3 +87,33 @@ def wandb_mode() -> str | None:
     except OSError:
         pass
     return "offline"
+
+
+def replace_dir(tmp: str | Path, out: str | Path, overwrite: bool) -> None:
+    """Rename a finished directory ``tmp`` to ``out`` so ``out`` is never half-written.
+
+    A directory cannot be ``os.replace``'d onto a non-empty one, so an old ``out`` is first moved
+    aside (same file system, one rename), then removed: ``out`` always holds either the old or
+    the new complete directory, never a mix.
+
+    Args:
+        tmp: the finished directory, on the same file system as ``out`` (e.g. a temp dir made
+            beside it).
+        out: the destination.
+        overwrite: replace an existing ``out``; False raises instead.
+
+    Raises:
+        FileExistsError: ``out`` exists and ``overwrite`` is False.
+    """
+    import shutil
+
+    tmp, out = Path(tmp), Path(out)
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+        os.replace(out, old / "x")
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
