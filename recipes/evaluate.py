@@ -32,11 +32,12 @@ from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, parse_config
 from draftsmith.train.draft_length import AdaptiveDraftLength
+from draftsmith.train.hf_assisted import HFAssisted
 from draftsmith.train.metrics import results_table, summarize
 from draftsmith.train.prompts import PromptFileError, load_prompts, render_prompt
 from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
 from draftsmith.train.sampling import SamplingParams, sampling_problems
-from draftsmith.train.speculative import generate
+from draftsmith.train.speculative import GenerationOutput, generate
 from draftsmith.train.target import TargetError, load_target
 
 
@@ -58,11 +59,24 @@ class EvalConfig:
         choices=["auto", "train", "heldout", "all"],
     )
     limit: int | None = cfg_field(None, help="evaluate the first N prompts only")
+    shard: str | None = cfg_field(
+        None,
+        help="I/N: evaluate every N-th prompt starting at I (0-based), e.g. to run N processes on "
+        "N cores; merge their JSONs with `draftsmith evaluate --merge A.json B.json --out C.json`",
+    )
+    max_minutes: float | None = cfg_field(
+        None, help="start no new prompt after this many minutes; results cover the prompts done"
+    )
+    merge: list[Path] | None = cfg_field(
+        None, help="merge these results JSONs (shards of one run) into --out; runs nothing"
+    )
     drafter: list[str] = cfg_field(
         ["ngram"],
         help="drafter(s) to compare against the same baseline, each KIND or KIND=PATH: ngram "
         "(prompt lookup), draft-lm[=model dir], eagle=DIR, eagle-tree=DIR (EAGLE-2 dynamic tree), "
-        "medusa=DIR, medusa-tree=DIR, or none (plain decoding only)",
+        "medusa=DIR, medusa-tree=DIR, hf-assisted[=model dir] (the same draft LM through "
+        "transformers' generate(assistant_model=...), for comparison), or none (plain decoding "
+        "only)",
     )
     k: int = cfg_field(5, help="draft tokens per verification step")
     max_new_tokens: int = cfg_field(128, help="tokens to generate per prompt")
@@ -83,7 +97,15 @@ class EvalConfig:
         24, help="eagle-tree / medusa-tree: draft tokens verified per step (tree size)"
     )
     adaptive_k: bool = cfg_field(
-        False, help="pick each step's draft length (<= k) from measured acceptance and costs"
+        False,
+        help="pick each step's draft length (<= k) from measured acceptance and costs (our "
+        "drafters; hf-assisted keeps its own schedule, see hf_assistant)",
+    )
+    hf_assistant: str = cfg_field(
+        "constant",
+        help="hf-assisted draft length: constant = k tokens every step (like our chain); "
+        "transformers = transformers' own heuristics (up to 20 tokens, confidence threshold)",
+        choices=["constant", "transformers"],
     )
     baseline: bool = cfg_field(True, help="also run plain decoding (needed for the speedup)")
     threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
@@ -98,6 +120,12 @@ class EvalConfig:
         if self.max_new_tokens < 1:
             problems.append(("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}"))
         problems += sampling_problems(self.temperature, self.top_k, self.top_p)
+        if self.shard is not None and _parse_shard(self.shard) is None:
+            problems.append(("shard", f"must be I/N with 0 <= I < N, got {self.shard!r}"))
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            problems.append(("max_minutes", f"must be > 0, got {self.max_minutes}"))
+        if self.merge is not None and self.out is None:
+            problems.append(("out", "merge needs --out"))
         if self.limit is not None and self.limit < 1:
             problems.append(("limit", f"must be >= 1, got {self.limit}"))
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -111,7 +139,7 @@ class EvalConfig:
                 problems.append(("drafter", f"{spec!r}: kind must be one of {DRAFTER_KINDS}"))
             elif kind in NEEDS_PATH and not path:
                 problems.append(("drafter", f"{spec!r}: {kind} needs a directory: {kind}=DIR"))
-            elif path and kind not in (*NEEDS_PATH, "draft-lm"):
+            elif path and kind not in (*NEEDS_PATH, "draft-lm", "hf-assisted"):
                 problems.append(("drafter", f"{spec!r}: {kind} takes no path"))
             specs.append(kind)
         if not self.drafter:
@@ -120,8 +148,11 @@ class EvalConfig:
             problems.append(
                 ("drafter", "none runs plain decoding only; do not list other drafters")
             )
-        if "draft-lm" not in specs and (self.draft_model or self.draft_layers):
-            problems.append(("drafter", "draft_model/draft_layers need drafter: draft-lm"))
+        if not {"draft-lm", "hf-assisted"} & set(specs) and (self.draft_model or self.draft_layers):
+            problems.append(
+                ("drafter", "draft_model/draft_layers need drafter: draft-lm or hf-assisted")
+            )
+
         if specs == ["none"] and not self.baseline:
             problems.append(("baseline", "drafter none with baseline off measures nothing"))
         if self.tree_topk < 1:
@@ -131,7 +162,16 @@ class EvalConfig:
         return problems
 
 
-DRAFTER_KINDS = ("ngram", "draft-lm", "eagle", "eagle-tree", "medusa", "medusa-tree", "none")
+DRAFTER_KINDS = (
+    "ngram",
+    "draft-lm",
+    "eagle",
+    "eagle-tree",
+    "medusa",
+    "medusa-tree",
+    "hf-assisted",
+    "none",
+)
 NEEDS_PATH = ("eagle", "eagle-tree", "medusa", "medusa-tree")
 
 
@@ -140,7 +180,7 @@ def build_drafter(cfg: EvalConfig, spec: str, target):
     kind, _, path = spec.partition("=")
     if kind == "ngram":
         return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min)
-    if kind == "draft-lm":
+    if kind in ("draft-lm", "hf-assisted"):
         if path or cfg.draft_model:
             model, _ = load_target(path or cfg.draft_model, cache_dir=cfg.cache_dir)
         else:
@@ -148,6 +188,10 @@ def build_drafter(cfg: EvalConfig, spec: str, target):
             # Default: first, two evenly spaced middle layers and the last one.
             layers = cfg.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
             model = layer_pruned_copy(target, layers)
+        if kind == "hf-assisted":
+            from draftsmith.train.hf_assisted import HFAssisted
+
+            return HFAssisted(model, schedule=cfg.hf_assistant)
         return DraftLM(model, target_vocab_size=target.get_output_embeddings().weight.shape[0])
     if kind in ("eagle", "eagle-tree"):
         from draftsmith.heads.eagle import EagleProposer, load_drafter
@@ -171,9 +215,11 @@ def method_name(cfg: EvalConfig, spec: str, drafter) -> str:
     kind, _, path = spec.partition("=")
     if kind == "ngram":
         return f"ngram[{cfg.ngram_min}-{cfg.ngram_max}]"
-    if kind == "draft-lm":
+    if kind in ("draft-lm", "hf-assisted"):
         what = path or cfg.draft_model or f"pruned {cfg.draft_layers or 'default'}"
-        return f"draft-lm[{what}]"
+        if kind == "hf-assisted" and cfg.hf_assistant == "transformers":
+            return f"hf-assisted-default[{what}]"
+        return f"{kind}[{what}]"
     if kind in ("eagle", "eagle-tree"):
         version = drafter.drafter.config.version if hasattr(drafter, "drafter") else "?"
         return f"eagle{version}-{'tree' if kind.endswith('tree') else 'chain'}[{path}]"
@@ -189,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if cfg.merge:
+        try:
+            out = merge_results(cfg.merge)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        write_json_atomic(cfg.out, out)
+        _console().print(results_table(out.get("methods", [out]), title="merged results"))
+        print(f"results of {len(cfg.merge)} files written to {cfg.out}")
+        return 0
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
@@ -199,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     split = {"auto": None if cfg.prompts else "heldout", "all": None}.get(cfg.split, cfg.split)
     try:
         records = load_prompts(cfg.prompts, split=split, limit=cfg.limit)
+        if cfg.shard:
+            index, count = _parse_shard(cfg.shard)
+            records = records[index::count]
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
         drafters = [build_drafter(cfg, spec, target) for spec in cfg.drafter]
         prompts = [render_prompt(tokenizer, r) for r in records]
@@ -210,13 +269,23 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
     # One policy per drafter for the whole run: what it learns carries across prompts.
     policies = [
-        AdaptiveDraftLength(cfg.k) if cfg.adaptive_k and d is not None else None for d in drafters
+        AdaptiveDraftLength(cfg.k)
+        if cfg.adaptive_k and d is not None and not isinstance(d, HFAssisted)  # HF: own schedule
+        else None
+        for d in drafters
     ]
 
     # --- loop: baseline then each drafter, prompt by prompt -----------------------------------
     # One short untimed run first: the first forwards of a process pay one-off allocation costs.
+    def run(drafter, ids, **kwargs):
+        # HF assisted generation runs transformers' own loop; everything else runs ours.
+        if isinstance(drafter, HFAssisted):
+            return drafter.generate(target, ids, **{**common, **kwargs})
+        return generate(target, ids, drafter, **{**common, **kwargs})
+
     for drafter in drafters:
-        generate(target, prompts[0], drafter, **{**common, "max_new_tokens": 8})
+        run(drafter, prompts[0], max_new_tokens=8)
+    stopped_early = False
     base_runs: list = []
     spec_runs: list[list] = [[] for _ in drafters]
     per_prompt: list[list[dict]] = [[] for _ in drafters]
@@ -230,24 +299,38 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with Progress(*columns, transient=not sys.stderr.isatty()) as progress:
         task = progress.add_task("evaluating", total=len(prompts))
+        start = time.perf_counter()
         for record, ids in zip(records, prompts, strict=True):
+            if cfg.max_minutes and time.perf_counter() - start > 60 * cfg.max_minutes:
+                stopped_early = True
+                break
             # Same seed for every run of a prompt: sampled outputs are comparable run to run.
             # Interleaved per prompt, so a machine slowing down hurts every method alike.
             base = None
             if cfg.baseline:
                 gen = torch.Generator().manual_seed(cfg.seed)
-                base = generate(target, ids, None, **common, generator=gen)
+                base = run(None, ids, generator=gen)
                 base_runs.append(base)
             for i, (drafter, policy) in enumerate(zip(drafters, policies, strict=True)):
                 spec = base
                 if drafter is not None:
                     gen = torch.Generator().manual_seed(cfg.seed)
-                    spec = generate(
-                        target, ids, drafter, **common, generator=gen, draft_length=policy
-                    )
+                    spec = run(drafter, ids, generator=gen, draft_length=policy)
                 spec_runs[i].append(spec)
                 per_prompt[i].append(_prompt_entry(record, ids, spec, base, tokenizer))
             progress.advance(task)
+            if not sys.stderr.isatty():  # logs of background runs still show how it goes
+                done = len(per_prompt[0])
+                line = f"[{done}/{len(prompts)}] prompt {record.id}:"
+                if base is not None:
+                    line += f" plain {len(base.tokens) / base.wall_time:.1f} tok/s"
+                for name, runs in zip(names, spec_runs, strict=True):
+                    run_ = runs[-1]
+                    line += (
+                        f" | {name} τ {run_.acceptance_length:.2f}"
+                        f" {len(run_.tokens) / run_.wall_time:.1f} tok/s"
+                    )
+                print(line, file=sys.stderr, flush=True)
 
     # --- results ------------------------------------------------------------------------------
     results = []
@@ -268,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     # "methods", sharing the baseline measured in the same run.
     out = dict(results[0]) if len(results) == 1 else {"methods": results}
     out["config"] = config_to_dict(cfg)
+    out["prompts_evaluated"] = len(base_runs) if cfg.baseline else len(spec_runs[0])
+    out["prompts_selected"] = len(records)
+    if stopped_early:
+        print(
+            f"max_minutes={cfg.max_minutes} reached: {out['prompts_evaluated']} of "
+            f"{len(records)} prompts evaluated"
+        )
     out.update(info)
 
     _console().print(
@@ -302,13 +392,114 @@ def _prompt_entry(record, ids, spec, base, tokenizer) -> dict:
         "stop_reason": spec.stop_reason,
         "output_ids": spec.tokens,
         "output_text": tokenizer.decode(spec.tokens, skip_special_tokens=True),
+        # Raw counters: enough to recompute every summary metric (see merge_results).
+        "counters": _counters(spec),
     }
     if base is not None:
         entry["baseline_tokens_per_second"] = len(base.tokens) / base.wall_time
+        entry["baseline_counters"] = {**_counters(base), "new_tokens": len(base.tokens)}
         entry["identical_to_target"] = base.tokens == spec.tokens
         if base.tokens != spec.tokens:
             entry["baseline_output_ids"] = base.tokens
     return entry
+
+
+_COUNTERS = (
+    "target_forwards",
+    "draft_steps",
+    "proposed",
+    "accepted",
+    "accepted_per_position",
+    "wall_time",
+    "draft_time",
+    "prefill_time",
+)
+
+
+def _counters(run: GenerationOutput) -> dict:
+    return {name: getattr(run, name) for name in _COUNTERS}
+
+
+def _parse_shard(text: str) -> tuple[int, int] | None:
+    index, sep, count = text.partition("/")
+    if not sep or not index.isdigit() or not count.isdigit():
+        return None
+    index, count = int(index), int(count)
+    return (index, count) if 0 <= index < count else None
+
+
+def merge_results(paths: list[Path]) -> dict:
+    """Merge results JSONs of shards of one evaluation into one, recomputing every metric.
+
+    The files must come from the same settings (drafters, k, tokens, sampling, target) on
+    disjoint prompts; the merged file holds every prompt and the summed counters.
+
+    Args:
+        paths: results JSONs written by ``draftsmith evaluate --out``.
+
+    Returns:
+        The merged results dict (same layout as one run's).
+
+    Raises:
+        ValueError: naming the file whose settings or methods differ, or a prompt seen twice.
+    """
+    import json
+
+    loaded = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a results JSON ({exc})") from exc
+        loaded.append((path, data, data.get("methods", [data])))
+    ignore = {"shard", "max_minutes", "out", "merge", "threads", "limit", "report_to"}
+    first_path, first, first_methods = loaded[0]
+    same = {k: v for k, v in first["config"].items() if k not in ignore}
+    names = [m["method"] for m in first_methods]
+    for path, data, methods in loaded[1:]:
+        other = {k: v for k, v in data["config"].items() if k not in ignore}
+        diff = sorted(k for k in same.keys() | other.keys() if same.get(k) != other.get(k))
+        if diff:
+            raise ValueError(f"{path}: settings differ from {first_path}: {', '.join(diff)}")
+        if [m["method"] for m in methods] != names:
+            raise ValueError(f"{path}: methods differ from {first_path}")
+    k = first["k"] if "k" in first else first_methods[0]["k"]
+    results = []
+    for i, name in enumerate(names):
+        entries = [p for _, _, methods in loaded for p in methods[i]["per_prompt"]]
+        ids = [p["id"] for p in entries]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                f"{name}: a prompt appears in more than one file; shards must be disjoint"
+            )
+        missing = [p["id"] for p in entries if "counters" not in p]
+        if missing:
+            raise ValueError(f"{name}: prompts {missing[:5]} have no counters (old results file)")
+        runs = [GenerationOutput(tokens=p["output_ids"], **p["counters"]) for p in entries]
+        base = None
+        if all("baseline_counters" in p for p in entries):
+            base = [
+                GenerationOutput(
+                    tokens=[0] * p["baseline_counters"]["new_tokens"],
+                    **{c: p["baseline_counters"][c] for c in _COUNTERS},
+                )
+                for p in entries
+            ]
+        template = first_methods[i]
+        result = {key: template[key] for key in ("method", "k", "temperature", "adaptive_k")}
+        result.update(summarize(runs, k, base))
+        flags = [p.get("identical_to_target") for p in entries]
+        result["identical_to_target"] = None if None in flags else all(flags)
+        result["per_prompt"] = entries
+        results.append(result)
+    out = dict(results[0]) if len(results) == 1 and "methods" not in first else {"methods": results}
+    out["config"] = first["config"]
+    out["merged_from"] = [str(p) for p in paths]
+    out["prompts_evaluated"] = len(results[0]["per_prompt"])
+    for key in ("command", "versions", "git_commit", "machine"):
+        if key in first:
+            out[key] = first[key]
+    return out
 
 
 def _console():

@@ -554,6 +554,9 @@ def train(cfg: MedusaConfig) -> dict[str, Any]:
                 history.append({"step": step, **logs})
                 bar.set_postfix(loss=f"{logs['train/loss']:.3f}",
                                 top1=f"{logs['train/head0_top1']:.2f}")  # fmt: skip
+                if not cfg.progress:  # logs (nohup, CI) still show how training goes
+                    say(f"step {step}/{total_steps}: loss {logs['train/loss']:.3f}, head-0 "
+                        f"top-1 {logs['train/head0_top1']:.3f}")  # fmt: skip
                 window.zero_()
                 window_loss.zero_()
             if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:

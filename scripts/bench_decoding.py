@@ -29,6 +29,7 @@ import torch
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.train.draft_length import AdaptiveDraftLength
+from draftsmith.train.hf_assisted import HFAssisted
 from draftsmith.train.metrics import summarize
 from draftsmith.train.prompts import load_prompts, render_prompt
 from draftsmith.train.runinfo import run_info, write_json_atomic
@@ -108,13 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - t0
         return out[0, len(ids) :].tolist(), wall, counter.calls
 
-    draft_model.generation_config.num_assistant_tokens = k
-    draft_model.generation_config.num_assistant_tokens_schedule = "constant"
-    draft_model.generation_config.assistant_confidence_threshold = 0.0
+    assisted = HFAssisted(draft_model)  # a constant k drafts per step, like our chain
+
+    def hf_assisted(ids: list[int]):
+        out = assisted.generate(target, ids, k=k, max_new_tokens=max_new, eos_token_id=eos)
+        return out.tokens, out.wall_time, out.target_forwards
+
     runners = {
         "hf-greedy": lambda ids: hf(ids),
         "hf-prompt-lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=k),
-        "hf-assisted": lambda ids: hf(ids, assistant_model=draft_model),
+        "hf-assisted": hf_assisted,
     }
     drafters = {
         "plain": None,

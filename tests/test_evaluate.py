@@ -195,3 +195,159 @@ def test_evaluate_rejects_bad_drafter_specs(tmp_path, tiny_target_dir, capsys, s
     code, _ = _run(tmp_path, "--target", tiny_target_dir, "--drafter", spec)
     assert code == 2
     assert problem in capsys.readouterr().err
+
+
+def test_hf_assisted_matches_our_loop_with_the_same_draft(tmp_path, tiny_target_dir):
+    """transformers' assisted generation runs beside our loop, with counters that add up."""
+    code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "draft-lm",
+        "hf-assisted",
+        "--draft-layers",
+        "0",
+        "3",
+        "--k",
+        3,
+        "--max-new-tokens",
+        20,
+        "--limit",
+        3,
+    )
+    assert code == 0
+    ours, hf = res["methods"]
+    assert hf["method"] == "hf-assisted[pruned [0, 3]]"
+    assert ours["identical_to_target"] is True and hf["identical_to_target"] is True
+    for m in (ours, hf):
+        # Every target forward emits its accepted drafts plus one token of its own.
+        assert m["new_tokens"] == m["target_forwards"] + m["accepted_tokens"], m["method"]
+        assert sum(a * m["draft_steps"] for a in m["acceptance_rate_per_position"]) == (
+            pytest.approx(m["accepted_tokens"])
+        )
+        assert 0 < m["draft_time_fraction"] < 1
+    # HF verifies its first draft together with the prompt (no separate prefill forward), so its
+    # drafts start one token earlier than ours and the counts need not match; both draft k a step.
+    # k drafts a step, fewer only where the token budget ends (at most once per prompt).
+    assert 3 * (hf["draft_steps"] - 3) <= hf["proposed_tokens"] <= 3 * hf["draft_steps"]
+    assert hf["target_forwards"] >= hf["draft_steps"] >= hf["target_forwards"] - 3
+
+
+def test_hf_assisted_step_accounting():
+    from draftsmith.train.hf_assisted import _verification_steps
+
+    # Prompt of 10; forward 0 verifies 3 drafts with the prompt and accepts 2 (emits 3, the cache
+    # keeps 12); forward 1 is fed 1 + 3 tokens and accepts 0 (emits 1, cache 13); forward 2
+    # accepts all 3 and emits 4, which ends the output: 3 + 1 + 4 = 8 new tokens.
+    steps = _verification_steps([0, 12, 13], [13, 4, 4], prompt_len=10, new_tokens=8)
+    assert steps == [(3, 2), (3, 0), (3, 3)]
+    # A plain prefill first (nothing drafted) is not a drafting step.
+    assert _verification_steps([0, 10], [10, 4], prompt_len=10, new_tokens=3) == [(3, 1)]
+
+
+def test_shards_merge_into_the_whole_run(tmp_path, tiny_target_dir):
+    common = [
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "ngram",
+        "draft-lm",
+        "--draft-layers",
+        "0",
+        "--k",
+        2,
+        "--max-new-tokens",
+        12,
+        "--limit",
+        5,
+    ]
+    parts = []
+    for shard in ("0/2", "1/2"):
+        out = tmp_path / f"shard{shard[0]}.json"
+        assert evaluate([*map(str, common), "--shard", shard, "--out", str(out)]) == 0
+        parts.append(out)
+    shard0 = json.loads(parts[0].read_text())
+    assert shard0["prompts_evaluated"] == 3  # prompts 0, 2, 4 of 5
+    merged_path = tmp_path / "merged.json"
+    assert evaluate(["--merge", *map(str, parts), "--out", str(merged_path)]) == 0
+    merged = json.loads(merged_path.read_text())
+    for i, m in enumerate(merged["methods"]):
+        a, b = (json.loads(p.read_text())["methods"][i] for p in parts)
+        assert m["num_prompts"] == 5
+        assert m["new_tokens"] == a["new_tokens"] + b["new_tokens"]
+        assert m["target_forwards"] == a["target_forwards"] + b["target_forwards"]
+        assert m["wall_time_s"] == pytest.approx(a["wall_time_s"] + b["wall_time_s"])
+        assert m["baseline_wall_time_s"] == pytest.approx(
+            a["baseline_wall_time_s"] + b["baseline_wall_time_s"]
+        )
+        assert m["identical_to_target"] is True
+    # Merging one file reproduces its own metrics exactly.
+    one = tmp_path / "one.json"
+    assert evaluate(["--merge", str(parts[0]), "--out", str(one)]) == 0
+    again = json.loads(one.read_text())
+    for m, orig in zip(again["methods"], shard0["methods"], strict=True):
+        for key in ("acceptance_length", "acceptance_rate_per_position", "speedup", "new_tokens"):
+            assert m[key] == pytest.approx(orig[key]), key
+    # Overlapping shards and different settings are refused, naming the problem.
+    with pytest.raises(ValueError, match="more than one file"):
+        from draftsmith.recipes.evaluate import merge_results
+
+        merge_results([parts[0], parts[0]])
+    other = tmp_path / "other.json"
+    assert evaluate([*map(str, common), "--k", "3", "--shard", "1/2", "--out", str(other)]) == 0
+    with pytest.raises(ValueError, match=r"settings differ.*k"):
+        merge_results([parts[0], other])
+
+
+def test_max_minutes_stops_starting_prompts(tmp_path, tiny_target_dir):
+    code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "ngram",
+        "--max-new-tokens",
+        8,
+        "--limit",
+        4,
+        "--max-minutes",
+        1e-9,
+    )
+    assert code == 0
+    # The first prompt always runs (the clock is read before each prompt after the first).
+    assert res["prompts_evaluated"] == res["num_prompts"] < 4
+
+
+def test_bad_shard_is_named(tmp_path, tiny_target_dir, capsys):
+    code, _ = _run(tmp_path, "--target", tiny_target_dir, "--shard", "2/2")
+    assert code == 2
+    assert "shard" in capsys.readouterr().err
+
+
+def test_hf_assisted_default_schedule_beside_adaptive_ours(tmp_path, tiny_target_dir):
+    """transformers' own draft-length heuristics against our cost-aware draft length."""
+    code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "draft-lm",
+        "hf-assisted",
+        "--draft-layers",
+        "0",
+        "3",
+        "--adaptive-k",
+        "--hf-assistant",
+        "transformers",
+        "--max-new-tokens",
+        12,
+        "--limit",
+        2,
+    )
+    assert code == 0
+    ours, hf = res["methods"]
+    assert hf["method"] == "hf-assisted-default[pruned [0, 3]]"
+    assert "mean_draft_length" in ours and "mean_draft_length" not in hf
+    assert ours["identical_to_target"] is True and hf["identical_to_target"] is True
+    assert hf["new_tokens"] == hf["target_forwards"] + hf["accepted_tokens"]

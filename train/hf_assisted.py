@@ -1,0 +1,194 @@
+"""Hugging Face assisted generation, measured with the same counters as our verification loop.
+
+``target.generate(assistant_model=draft)`` is what most users reach for first when they have a
+draft LM (transformers' "assisted generation", Leviathan et al. 2023 with greedy verification).
+To compare it with :func:`draftsmith.train.speculative.generate` like for like, this module runs
+it on one prompt and fills a :class:`~draftsmith.train.speculative.GenerationOutput`:
+
+* ``target_forwards`` counts calls of the target's ``forward`` (a forward pre-hook), prefill
+  included, exactly as our loop counts them, so τ means the same thing;
+* accepted draft tokens per step come from the target's KV-cache length at consecutive calls:
+  between two verification forwards the cache grows by (accepted + 1);
+* ``draft_time`` is the time spent inside the draft's ``forward`` (forward hooks).
+
+The draft proposes a constant ``k`` tokens per step (``num_assistant_tokens_schedule="constant"``,
+``assistant_confidence_threshold=0``), the same chain length our loop uses; transformers' defaults
+(20 tokens, a confidence threshold that early-stops drafting) would compare a different algorithm.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Collection
+
+import torch
+from transformers import PreTrainedModel
+
+from draftsmith.train.sampling import SamplingParams
+from draftsmith.train.speculative import GenerationOutput
+
+
+class HFAssisted:
+    """A draft LM run through transformers' ``generate(assistant_model=...)``.
+
+    Not a :class:`~draftsmith.heads.base.Drafter`: HF's own loop drafts and verifies, so the
+    evaluation calls :meth:`generate` instead of our loop.
+
+    Args:
+        draft: HF causal LM sharing the target's vocabulary (eval mode).
+        schedule: ``"constant"`` drafts exactly ``k`` tokens a step (confidence threshold off), the
+            same chain our loop drafts; ``"transformers"`` keeps transformers' own draft-length
+            heuristics from the draft's generation config (5.24 defaults: up to 20 tokens, stop
+            drafting below a confidence of 0.4, the threshold tuned as the run goes).
+    """
+
+    def __init__(self, draft: PreTrainedModel, schedule: str = "constant"):
+        if schedule not in ("constant", "transformers"):
+            raise ValueError(f"schedule must be 'constant' or 'transformers', got {schedule!r}")
+        self.draft = draft.eval()
+        self.schedule = schedule
+
+    @torch.no_grad()
+    def generate(
+        self,
+        target: PreTrainedModel,
+        prompt_ids: torch.Tensor | list[int],
+        *,
+        k: int = 5,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams | None = None,
+        eos_token_id: int | Collection[int] | None = None,
+        generator: torch.Generator | None = None,
+        draft_length=None,
+    ) -> GenerationOutput:
+        """Generate one sequence with HF assisted generation and count what happened.
+
+        Args:
+            target: HF causal LM (eval mode).
+            prompt_ids: ``[T]`` or ``[1, T]`` prompt tokens (batch 1).
+            k: draft tokens per step (constant schedule).
+            max_new_tokens: generation budget.
+            sampling: greedy by default; temperature/top-k/top-p are passed to HF.
+            eos_token_id: token(s) that end generation (kept in the output).
+            generator: seeds torch's global RNG when sampling (HF has no generator argument).
+            draft_length: ignored: HF has its own schedule (see ``schedule``).
+
+        Returns:
+            Tokens and counters; ``accepted_per_position[i]`` (i < k) counts steps that accepted
+            more than ``i`` draft tokens, as our loop does for chains.
+        """
+        if draft_length is not None:
+            raise ValueError(
+                "hf-assisted drafts a constant k tokens; adaptive draft length is ours"
+            )
+        sampling = sampling or SamplingParams()
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=target.device)
+        ids = ids[None] if ids.dim() == 1 else ids
+        eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ()))
+
+        draft = self.draft
+        gen_cfg = copy.deepcopy(draft.generation_config)
+        if self.schedule == "constant":
+            gen_cfg.num_assistant_tokens = k
+            gen_cfg.num_assistant_tokens_schedule = "constant"
+            gen_cfg.assistant_confidence_threshold = 0.0
+        saved, draft.generation_config = draft.generation_config, gen_cfg
+
+        cache_lengths: list[int] = []  # target KV-cache length at the start of each forward
+        fed_lengths: list[int] = []  # tokens fed to each forward
+        draft_time = [0.0, 0.0]  # total, start of the current call
+
+        def count_target(_module, args, kwargs):
+            fed = kwargs.get("input_ids", args[0] if args else None)
+            positions = kwargs.get("position_ids")
+            # transformers 5 passes the KV cache as `cache` (4.x: `past_key_values`); the first
+            # fed token's position is the cache length either way.
+            past = kwargs.get("cache", kwargs.get("past_key_values"))
+            if positions is not None:
+                cache_lengths.append(int(positions.reshape(-1)[0]))
+            else:
+                cache_lengths.append(past.get_seq_length() if past is not None else 0)
+            fed_lengths.append(fed.shape[1] if fed is not None else 0)
+
+        def draft_start(_module, _args):
+            draft_time[1] = time.perf_counter()
+
+        def draft_end(_module, _args, _out):
+            draft_time[0] += time.perf_counter() - draft_time[1]
+
+        hooks = [
+            target.register_forward_pre_hook(count_target, with_kwargs=True),
+            draft.register_forward_pre_hook(draft_start),
+            draft.register_forward_hook(draft_end),
+        ]
+        kwargs = dict(do_sample=False)
+        if not sampling.greedy:
+            kwargs = dict(
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k or None,
+                top_p=sampling.top_p,
+            )
+            if generator is not None:
+                torch.manual_seed(int(generator.initial_seed()))
+        try:
+            start = time.perf_counter()
+            out = target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                assistant_model=draft,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos or None,
+                pad_token_id=eos[0] if eos else None,
+                **kwargs,
+            )
+            wall = time.perf_counter() - start
+        finally:
+            for hook in hooks:
+                hook.remove()
+            draft.generation_config = saved
+
+        tokens = out[0, ids.shape[1] :].tolist()
+        steps = _verification_steps(cache_lengths, fed_lengths, ids.shape[1], len(tokens))
+        per_position = [sum(n > i for _, n in steps) for i in range(k)]
+        stop = "eos" if tokens and tokens[-1] in eos else "length"
+        return GenerationOutput(
+            tokens=tokens,
+            target_forwards=len(cache_lengths),
+            draft_steps=len(steps),
+            proposed=sum(c for c, _ in steps),
+            accepted=sum(n for _, n in steps),
+            accepted_per_position=per_position,
+            stop_reason=stop,
+            wall_time=wall,
+            draft_time=draft_time[0],
+        )
+
+
+def _verification_steps(
+    cache_lengths: list[int], fed_lengths: list[int], prompt_len: int, new_tokens: int
+) -> list[tuple[int, int]]:
+    """(drafted, accepted) per target forward that verified draft tokens.
+
+    Before forward i the sequence holds Q_i tokens: Q_0 = the prompt, and afterwards everything but
+    the last emitted token is in the cache, so Q_i = cache_i + 1. Forward i is fed
+    ``fed_i = Q_i - cache_i + drafted_i`` tokens and emits ``Q_{i+1} - Q_i = accepted_i + 1``;
+    the last forward emits what is left of the output.
+
+    Args:
+        cache_lengths: target cache length at the start of each forward.
+        fed_lengths: tokens fed to each forward.
+        prompt_len: prompt tokens.
+        new_tokens: generated tokens.
+
+    Returns:
+        One ``(drafted, accepted)`` pair per forward with ``drafted > 0``.
+    """
+    seq = [prompt_len] + [c + 1 for c in cache_lengths[1:]] + [prompt_len + new_tokens]
+    steps = []
+    for i, (cache, fed) in enumerate(zip(cache_lengths, fed_lengths, strict=True)):
+        drafted = fed - (seq[i] - cache)
+        if drafted > 0:
+            steps.append((drafted, max(0, min(drafted, seq[i + 1] - seq[i] - 1))))
+    return steps
