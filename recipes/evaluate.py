@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
+from draftsmith.heads.draft_lm import DraftLM, check_vocab_compatible, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, parse_config
 from draftsmith.train.draft_length import AdaptiveDraftLength
@@ -152,7 +152,6 @@ class EvalConfig:
             problems.append(
                 ("drafter", "draft_model/draft_layers need drafter: draft-lm or hf-assisted")
             )
-
         if specs == ["none"] and not self.baseline:
             problems.append(("baseline", "drafter none with baseline off measures nothing"))
         if self.tree_topk < 1:
@@ -189,8 +188,11 @@ def build_drafter(cfg: EvalConfig, spec: str, target):
             layers = cfg.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
             model = layer_pruned_copy(target, layers)
         if kind == "hf-assisted":
-            from draftsmith.train.hf_assisted import HFAssisted
-
+            # Same check DraftLM makes: HF would fail deep inside generate() otherwise.
+            check_vocab_compatible(
+                model.get_output_embeddings().weight.shape[0],
+                target.get_output_embeddings().weight.shape[0],
+            )
             return HFAssisted(model, schedule=cfg.hf_assistant)
         return DraftLM(model, target_vocab_size=target.get_output_embeddings().weight.shape[0])
     if kind in ("eagle", "eagle-tree"):
