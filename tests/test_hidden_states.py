@@ -339,9 +339,12 @@ def test_cli_cache_and_vocab(tmp_path, capsys):
     assert main_cache(dm) == 0
     cache_dm = HiddenStateCache(tmp_path / "dm")
     assert torch.equal(cache_dm[5]["hidden_states"][4], cache[5]["hidden_states"][4])
-    # Bad input: a clear error, exit code 1.
-    assert main_cache(["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 1
-    assert "tokenized data not found" in capsys.readouterr().err
+    # Bad input (a usage error): one line naming the path and what makes it, exit code 2.
+    capsys.readouterr()  # progress bars of the runs above
+    assert main_cache(["--data", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: tokenized data not found") and "draftsmith data tokenize" in err
+    assert err.count("\n") == 1
 
 
 def test_make_plan_respects_batch_tokens():

@@ -1,13 +1,20 @@
 """The ``draftsmith`` command: one subcommand per stage, each a thin entry to a module or recipe.
 
 Subcommands are dispatched by a plain dict of functions taking their own argv, so each keeps its
-own ``--help``.
+own ``--help``. The dispatch runs under :func:`~draftsmith.train.errors.cli_main`: a known error
+from any subcommand (bad data, config, checkpoint or cache; disk full; a locked output) prints
+one ``error: ...`` line and exits 2 (usage) or 1 (runtime); ``--debug`` anywhere on the command
+line, or ``DRAFTSMITH_DEBUG=1``, shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from draftsmith.train.errors import cli_main
 
 
 def _prepare_target(argv: list[str]) -> int:
@@ -126,13 +133,46 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 def _usage() -> str:
     lines = ["usage: draftsmith <command> [options]", "", "commands:"]
     lines += [f"  {name:<16} {text}" for name, (_, text) in COMMANDS.items()]
-    lines += ["", "Run `draftsmith <command> --help` for a command's options."]
+    lines += [
+        "",
+        "Run `draftsmith <command> --help` for a command's options.",
+        "Errors print one line (exit 2: bad input or usage, 1: the run failed); add --debug (or",
+        "set DRAFTSMITH_DEBUG=1) to see the full traceback.",
+    ]
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _debug_env(on: bool) -> Iterator[None]:
+    """Set DRAFTSMITH_DEBUG=1 for the call when --debug was given.
+
+    The outer :func:`cli_main` strips ``--debug`` from argv, so the subcommand's own
+    ``cli_main`` (and processes it launches) learn it from the environment instead; the old
+    value is restored so an in-process caller (tests) is not left in debug mode.
+    """
+    if not on:
+        yield
+        return
+    old = os.environ.get("DRAFTSMITH_DEBUG")
+    os.environ["DRAFTSMITH_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DRAFTSMITH_DEBUG", None)
+        else:
+            os.environ["DRAFTSMITH_DEBUG"] = old
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``draftsmith`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    with _debug_env("--debug" in argv):
+        return cli_main(_dispatch, argv)
+
+
+def _dispatch(argv: list[str]) -> int:
+    """Run the subcommand ``argv[0]`` with the rest (``--debug`` already removed)."""
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.train.config import cfg_field
+from draftsmith.train.errors import UsageError
 from draftsmith.train.prompts import HELDOUT_ID_MODULUS, token_ids
 
 __all__ = [
@@ -136,8 +136,8 @@ class Conversation:
     truncated: bool = False
 
 
-class DataFileError(ValueError):
-    """A data file (or one of its records) is missing, unreadable or malformed.
+class DataFileError(UsageError):
+    """A data file (or one of its records) is missing, unreadable or malformed (exit code 2).
 
     The message reads ``"<path>:<line>: field '<field>': <problem>"`` for JSON Lines, and
     ``"<path>: row <row>: field '<field>': <problem>"`` for row-based files (0-based rows);
@@ -657,8 +657,8 @@ def _jtype(value: Any) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-class TemplateError(ValueError):
-    """The chat template cannot yield an assistant mask (or failed on a conversation)."""
+class TemplateError(UsageError):
+    """The chat template cannot yield an assistant mask (or failed on a conversation): exit 2."""
 
 
 def chat_token_ids(
@@ -1007,7 +1007,8 @@ def build_dataset(
         order, samples without a supervised token dropped (counted in the summary).
 
     Raises:
-        DataFileError: See :func:`load_records`.
+        DataFileError: See :func:`load_records`; also when no sample is left (e.g. every record
+            is a prompt without an answer), naming the reasons and what to run.
         TemplateError: See :func:`tokenize_conversation`; the message names the record.
     """
     import datasets
@@ -1052,6 +1053,8 @@ def build_dataset(
                 out_cols["input_ids"].append(res["input_ids"])
                 out_cols["loss_mask"].append(res["loss_mask"])
                 out_cols["id"].append(rid)
+        if not summary.samples:
+            raise _no_samples_error(_display(path_or_records), summary)
         features = _features()
         return datasets.Dataset.from_dict(out_cols, features=features), summary
 
@@ -1065,9 +1068,31 @@ def build_dataset(
     )
     for drop, length, mask in zip(ds["_drop"], ds["_length"], ds["loss_mask"], strict=True):
         _account(summary, {"_drop": drop, "_length": length, "loss_mask": mask}, max_length)
+    if not summary.samples:
+        raise _no_samples_error(_display(path_or_records), summary)
     ds = ds.filter(lambda d: not d, input_columns="_drop", num_proc=num_proc)
     ds = ds.remove_columns(["_drop", "_length"]).select_columns(["input_ids", "loss_mask", "id"])
     return ds.cast(_features()), summary
+
+
+def _no_samples_error(where: str, summary: DataSummary) -> DataFileError:
+    """Nothing to train on: say why every record was dropped and what to do.
+
+    An empty dataset would otherwise surface much later as a training loop with no batches
+    (torch's ``num_samples=0``) or an empty saved dataset with exit code 0.
+    """
+    reasons = ", ".join(f"{r}: {n}" for r, n in summary.dropped.most_common()) or "no records"
+    hint = ""
+    if summary.dropped.get("no assistant turn"):
+        hint = (
+            "; these records are prompts without answers: answer them first with `draftsmith "
+            "data distill --input <file> --output <answers.jsonl>`, then use that output"
+        )
+    elif summary.dropped.get("no supervised token after truncation"):
+        hint = "; raise max_length (--max-length) so the answers survive truncation"
+    return DataFileError(
+        where, f"no sample left to train on (dropped: {reasons}){hint}", reason="no samples"
+    )
 
 
 def _features() -> Any:
@@ -1128,34 +1153,53 @@ class TokenizeConfig:
 
 
 def main_tokenize(argv: list[str] | None = None) -> int:
-    """``draftsmith data tokenize``: conversations -> input_ids + assistant-only loss_mask."""
-    from draftsmith.train.config import ConfigError, parse_config
-    from draftsmith.train.target import TargetError, prepare_target
+    """``draftsmith data tokenize``: conversations -> input_ids + assistant-only loss_mask.
 
-    try:
-        cfg = parse_config(TokenizeConfig, argv, prog="draftsmith data tokenize")
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        from transformers import AutoTokenizer
+    Returns:
+        Exit code: 0 saved; 2 bad config, data or template (or nothing left to train on);
+        1 the target cannot be loaded, another process writes the output, or the disk is full.
+    """
+    from draftsmith.train.errors import cli_main
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            prepare_target(cfg.target, cache_dir=cfg.cache_dir)
+    return cli_main(_main_tokenize, argv)
+
+
+# A saved dataset directory holds one of these; any other existing directory is not replaced.
+_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _main_tokenize(argv: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from draftsmith.train.config import parse_config
+    from draftsmith.train.runinfo import OutputExistsError, output_lock, staged_dir
+    from draftsmith.train.target import prepare_target
+
+    cfg = parse_config(TokenizeConfig, argv, prog="draftsmith data tokenize")
+    out = Path(cfg.output)
+    # A re-tokenization replaces its earlier output; anything else under that name is the
+    # user's and is never deleted.
+    if out.exists() and not (out.is_dir() and any((out / m).is_file() for m in _DATASET_MARKERS)):
+        raise OutputExistsError(
+            f"output: {out} exists and is not a tokenized dataset; choose another --output"
         )
-        dataset, summary = build_dataset(
-            cfg.input,
-            tokenizer,
-            max_length=cfg.max_length,
-            shape=cfg.shape,
-            skip_invalid=cfg.skip_invalid,
-            split=cfg.split,
-            num_proc=cfg.num_proc,
-        )
-    except (DataFileError, TemplateError, TargetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    dataset.save_to_disk(str(cfg.output))
+    tokenizer = AutoTokenizer.from_pretrained(prepare_target(cfg.target, cache_dir=cfg.cache_dir))
+    dataset, summary = build_dataset(
+        cfg.input,
+        tokenizer,
+        max_length=cfg.max_length,
+        shape=cfg.shape,
+        skip_invalid=cfg.skip_invalid,
+        split=cfg.split,
+        num_proc=cfg.num_proc,
+    )
+    # Arrow stores int64 ids and int8 mask per token, plus offsets and the ids column.
+    need = summary.tokens * 9 + summary.samples * 64 + (1 << 20)
+    with (
+        output_lock(out, "tokenize output"),
+        staged_dir(out, overwrite=True, need_bytes=need) as tmp,
+    ):
+        dataset.save_to_disk(str(tmp))
     print(summary)
-    print(f"saved to {cfg.output}")
+    print(f"saved to {out}")
     return 0

@@ -21,18 +21,70 @@ Formats (each a plain weight-name mapping; see the modules for the exact keys):
   vLLM draft models).
 
 Every export is written to a temporary directory beside ``--out`` and renamed into place, so a
-failed export never leaves a half-written model; each carries a README model card.
+failed export never leaves a half-written model (temp dirs of killed exports are removed by the
+next export to the same place); the result is readable by other users (0755/0644); each carries
+a README model card. Tensors holding NaN or inf are refused (exit 1, the tensors named); the
+free space is checked against the export's size first.
+
+Errors: exit 2 for a bad checkpoint, format or flag (:class:`ExportError`), exit 1 when the export
+cannot be written (non-finite weights, disk full).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from draftsmith.train.config import ConfigError, cfg_field, parse_config
+from draftsmith.train.config import cfg_field, parse_config
+from draftsmith.train.errors import RunError, UsageError, cli_main
+
+if TYPE_CHECKING:
+    import torch
 
 FORMATS = ("speculators", "eagle3", "eagle", "medusa-vllm", "medusa", "hf")
+
+
+class ExportError(UsageError):
+    """The checkpoint cannot be exported as asked: missing, inconsistent, or the wrong kind."""
+
+
+class NonFiniteError(RunError):
+    """Weights hold NaN or inf; the message names each such tensor."""
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse tensors holding NaN or inf, naming them (a diverged run must not be served).
+
+    Args:
+        tensors: name -> tensor, as they will be written (after any dtype cast: a cast to
+            fp16 can overflow finite fp32 weights to inf).
+        where: the source, for the message.
+
+    Raises:
+        NonFiniteError: naming every non-finite tensor with its NaN and inf counts.
+    """
+    import torch
+
+    bad = []
+    for name, t in tensors.items():
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            continue
+        nan = int(torch.isnan(t).sum())
+        bad.append(f"{name} ({nan} NaN, {t.numel() - nan - int(torch.isfinite(t).sum())} inf)")
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteError(
+            f"{where}: non-finite weights in {shown}; the run diverged (or the dtype cast "
+            "overflowed) -- export an earlier checkpoint, or retrain with a lower learning rate"
+        )
+
+
+def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes the tensors take on disk (payload only), for a free-space estimate."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @dataclass
@@ -113,13 +165,15 @@ def export(cfg: ExportConfig) -> Path:
     from draftsmith.train.export_hf import export_hf
 
     if dtype is not None:
-        raise ValueError("dtype: the hf export keeps the draft's own dtype")
+        raise ExportError("dtype: the hf export keeps the draft's own dtype")
     return export_hf(cfg.checkpoint, cfg.out, overwrite=cfg.overwrite)
 
 
 def _refuse_existing(cfg: ExportConfig) -> None:
+    from draftsmith.train.runinfo import OutputExistsError
+
     if Path(cfg.out).exists() and not cfg.overwrite:
-        raise FileExistsError(f"out: {cfg.out} exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"out: {cfg.out} exists; pass --overwrite to replace it")
 
 
 def _default_target() -> str:
@@ -129,17 +183,14 @@ def _default_target() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point; exit 0 on success, 2 on a bad config or input."""
-    try:
-        cfg = parse_config(ExportConfig, argv, prog="draftsmith export", description=__doc__)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        out = export(cfg)
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """CLI entry point: exit 0 on success, 2 on a bad config or checkpoint, 1 when the export
+    cannot be written (non-finite weights, disk full); ``--debug`` shows tracebacks."""
+    return cli_main(_main, argv)
+
+
+def _main(argv: list[str]) -> int:
+    cfg = parse_config(ExportConfig, argv, prog="draftsmith export", description=__doc__)
+    out = export(cfg)
     print(f"exported {cfg.checkpoint} as {cfg.format} to {out}")
     return 0
 

@@ -52,7 +52,9 @@ unshifted, so an ``eagle3`` export with custom layers is for SGLang only).
 
 Writes are atomic: everything goes into a temporary directory beside ``out`` that is checked
 (every exported tensor re-read and compared with the source) and renamed into place, so a crash
-never leaves a half export under the final name. :func:`load_export` maps an export back to an
+never leaves a half export under the final name (:func:`~draftsmith.train.runinfo.staged_dir`:
+free space checked first, readable by other users, dead writers' temp dirs removed). Tensors
+with NaN or inf are refused. :func:`load_export` maps an export back to an
 :class:`~draftsmith.heads.eagle.EagleDrafter` for round-trip tests.
 """
 
@@ -61,16 +63,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.heads.eagle import EagleConfig, EagleDrafter
-from draftsmith.train.runinfo import replace_dir
+from draftsmith.train.errors import RunError, cli_main
+from draftsmith.train.export import ExportError, check_finite, tensor_bytes
+from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
     "FORMATS",
@@ -163,7 +165,7 @@ def _source_dir(src_dir: str | Path) -> Path:
     if not (src / CONFIG_FILE).is_file() and (src / "drafter" / CONFIG_FILE).is_file():
         src = src / "drafter"
     if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(
+        raise ExportError(
             f"{src_dir}: no saved EAGLE drafter here (need {CONFIG_FILE} and {WEIGHTS_FILE}, "
             "as written by draftsmith.heads.eagle.save_drafter)"
         )
@@ -176,14 +178,26 @@ def _read_drafter(src: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
 
     from draftsmith.heads.eagle import DRAFTER_FORMAT
 
-    raw = json.loads((src / CONFIG_FILE).read_text())
-    fmt = raw.pop("draftsmith_format", None)
+    try:
+        raw = json.loads((src / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{src / CONFIG_FILE}: cannot read the drafter config: {exc}") from exc
+    fmt = raw.pop("draftsmith_format", None) if isinstance(raw, dict) else None
     if fmt != DRAFTER_FORMAT:
-        raise ValueError(
+        raise ExportError(
             f"{src / CONFIG_FILE}: 'draftsmith_format' is {fmt!r}, expected {DRAFTER_FORMAT!r}"
         )
-    cfg = EagleConfig.from_dict(raw)
-    state = load_file(str(src / WEIGHTS_FILE))
+    try:
+        cfg = EagleConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"{src / CONFIG_FILE}: not a valid EAGLE drafter config: {exc}") from exc
+    try:
+        state = load_file(str(src / WEIGHTS_FILE))
+    except Exception as exc:  # safetensors' SafetensorError is no OSError/ValueError
+        raise ExportError(
+            f"{src / WEIGHTS_FILE}: cannot read the drafter weights ({exc}); the file is damaged "
+            "or was not written by draftsmith"
+        ) from exc
     _check_tensors(state, _expected_shapes(cfg), str(src / WEIGHTS_FILE))
     return cfg, state
 
@@ -199,7 +213,7 @@ def _check_tensors(
         if k in state and tuple(state[k].shape) != v
     ]
     if missing or unexpected or wrong:
-        raise ValueError(
+        raise ExportError(
             f"{where}: tensors do not match the config: missing {missing}, unexpected "
             f"{unexpected}, wrong shape {wrong}"
         )
@@ -278,7 +292,7 @@ def _provenance(src: Path, metrics_json: str | Path | None) -> dict[str, Any]:
             info["evaluation"]["file"] = str(path)
             break
     if metrics_json and "evaluation" not in info:
-        raise ValueError(f"{metrics_json}: no acceptance_length found (not an evaluation JSON)")
+        raise ExportError(f"{metrics_json}: no acceptance_length found (not an evaluation JSON)")
     return info
 
 
@@ -294,8 +308,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _llama_fields(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
     """A one-decoder-layer Llama config dict with the drafter's shapes.
 
-    RoPE (and the dtype) is written both ways: ``rope_theta``/``rope_scaling`` (transformers v4, which SGLang
-    and older vLLM read) and ``rope_parameters`` (transformers v5); v5 accepts both.
+    RoPE (and the dtype) is written both ways: ``rope_theta``/``rope_scaling`` (transformers v4,
+    which SGLang and older vLLM read) and ``rope_parameters`` (transformers v5); v5 accepts both.
     """
     return {
         "model_type": "llama",
@@ -378,7 +392,7 @@ def _eagle3_config(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
     if cfg.norm_before_residual:
         # SGLang's LlamaDecoderLayer (llama_eagle3.py) always keeps the un-normed feature as the
         # residual; it has no switch, so a drafter trained the other way would run wrongly.
-        raise ValueError(
+        raise ExportError(
             "the eagle3 (SGLang) format has no norm_before_residual=True variant; export this "
             "drafter with format 'speculators' (vLLM) instead"
         )
@@ -525,7 +539,7 @@ def _resolve_dtype(dtype: torch.dtype | str | None, state: dict[str, torch.Tenso
     if isinstance(dtype, str):
         value = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(value, torch.dtype) or not value.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch dtype name, got {dtype!r}")
+            raise ExportError(f"dtype must be a floating torch dtype name, got {dtype!r}")
         return value
     return dtype
 
@@ -549,7 +563,9 @@ def _export(
     cfg, state = _read_drafter(src)
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        from draftsmith.train.runinfo import OutputExistsError
+
+        raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     want = _resolve_dtype(dtype, state)
     config = make_config(cfg, want)
     info = _provenance(src, metrics_json)
@@ -566,28 +582,24 @@ def _export(
             value = value.to(want)
         tensors[_to_export(name, fmt)] = value.contiguous()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    check_finite(tensors, f"{src / WEIGHTS_FILE} (as {_dtype_name(want)})")
+    # Weights plus the small JSON/README files.
+    with staged_dir(out, overwrite=overwrite, need_bytes=tensor_bytes(tensors) + (1 << 20)) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json_text(config, indent=2) + "\n")
         provenance = {
             "format": fmt,
             "drafter_config": cfg.to_dict(),
             "dtype": _dtype_name(want),
             **info,
         }
-        (tmp / INFO_FILE).write_text(json.dumps(provenance, indent=2, default=str) + "\n")
+        (tmp / INFO_FILE).write_text(json_text(provenance, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(_model_card(fmt, cfg, info, target, speculative_tokens))
         # The export must hold exactly the source's tensors under the new names.
         written = load_file(str(tmp / WEIGHTS_FILE))
         bad = sorted(k for k, v in tensors.items() if not torch.equal(written.get(k, v[:0]), v))
         if bad or set(written) != set(tensors):
-            raise RuntimeError(f"export check failed: tensors {bad} differ after writing")
-        replace_dir(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise RunError(f"export check failed: tensors {bad} differ after writing")
     return out
 
 
@@ -622,16 +634,18 @@ def export_speculators(
         ``out_dir`` as a Path.
 
     Raises:
-        FileNotFoundError: no saved drafter at ``src_dir``.
-        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-        ValueError: the drafter is EAGLE-1 (use :func:`export_eagle`) or is inconsistent.
+        ExportError: no saved drafter at ``src_dir``, or it is EAGLE-1 (use
+            :func:`export_eagle`) or inconsistent (a ValueError).
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
+        NonFiniteError: a tensor holds NaN or inf (after the dtype cast).
+        DiskSpaceError: the export does not fit on the disk.
     """
     if speculative_tokens < 1:
-        raise ValueError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+        raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
 
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 3:
-            raise ValueError("the speculators format holds EAGLE-3 drafters; use export_eagle")
+            raise ExportError("the speculators format holds EAGLE-3 drafters; use export_eagle")
         return _speculators_config(
             cfg, dtype_, verifier_name_or_path, verifier_architectures, speculative_tokens
         )
@@ -668,13 +682,13 @@ def export_eagle3(
         speculative_tokens: draft steps suggested in the model card.
 
     Raises:
-        ValueError: the drafter is EAGLE-1, or uses ``norm_before_residual=True`` (SGLang's
+        ExportError: the drafter is EAGLE-1, or uses ``norm_before_residual=True`` (SGLang's
             EAGLE-3 layer cannot express it).
     """
 
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 3:
-            raise ValueError("the eagle3 format holds EAGLE-3 drafters; use export_eagle")
+            raise ExportError("the eagle3 format holds EAGLE-3 drafters; use export_eagle")
         return _eagle3_config(cfg, dtype_)
 
     return _export(
@@ -705,12 +719,12 @@ def export_eagle(
     Args: as :func:`export_eagle3`.
 
     Raises:
-        ValueError: the drafter is EAGLE-3 (use :func:`export_speculators`).
+        ExportError: the drafter is EAGLE-3 (use :func:`export_speculators`).
     """
 
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 1:
-            raise ValueError("the eagle format holds EAGLE-1 drafters; use export_speculators")
+            raise ExportError("the eagle format holds EAGLE-1 drafters; use export_speculators")
         return _eagle1_config(cfg, dtype_)
 
     return _export(
@@ -736,7 +750,7 @@ def export_format(config: dict[str, Any]) -> str:
     arch = config.get("architectures") or []
     if config.get("speculators_model_type") is not None:
         if config["speculators_model_type"] != "eagle3":
-            raise ValueError(
+            raise ExportError(
                 f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 is "
                 "supported"
             )
@@ -745,7 +759,7 @@ def export_format(config: dict[str, Any]) -> str:
         return "eagle3"
     if ARCH_EAGLE1 in arch or config.get("model_type") == "eagle":
         return "eagle"
-    raise ValueError(f"not an EAGLE export: architectures {arch}")
+    raise ExportError(f"not an EAGLE export: architectures {arch}")
 
 
 def _rope_from_export(layer: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -774,21 +788,21 @@ def _config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> Ea
     }
     bad = [f"{k} = {got!r}" for k, (got, ok) in unsupported.items() if got != ok]
     if bad:
-        raise ValueError(f"export uses variants our EagleDrafter does not implement: {bad}")
+        raise ExportError(f"export uses variants our EagleDrafter does not implement: {bad}")
     version = 1 if fmt == "eagle" else 3
     aux: list[int] = []
     norm_before_residual = False
     if fmt == "speculators":
         if "norm_before_residual" not in raw:
             # vLLM defaults a missing one to True, speculators to False: refuse to guess.
-            raise ValueError("speculators config lacks norm_before_residual")
+            raise ExportError("speculators config lacks norm_before_residual")
         norm_before_residual = bool(raw["norm_before_residual"])
         aux = list(raw.get("eagle_aux_hidden_state_layer_ids") or _default_aux(n))
     elif fmt == "eagle3":
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         aux = [i + 1 for i in ids] if ids else _default_aux(n)
         if raw.get("norm_before_residual"):
-            raise ValueError("eagle3 (SGLang) exports cannot use norm_before_residual=True")
+            raise ExportError("eagle3 (SGLang) exports cannot use norm_before_residual=True")
     theta, scaling = _rope_from_export(layer)
     vocab = int(layer["vocab_size"])
     return EagleConfig(
@@ -823,19 +837,19 @@ def load_export(
         dtype: cast parameters to this dtype (default: as exported).
 
     Raises:
-        FileNotFoundError / ValueError: naming the file and field that is missing or wrong.
+        ExportError: naming the file and field that is missing or wrong.
     """
     from safetensors.torch import load_file
 
     root = Path(path)
     for p in (root / CONFIG_FILE, root / WEIGHTS_FILE):
         if not p.is_file():
-            raise FileNotFoundError(f"EAGLE export: {p} not found")
+            raise ExportError(f"EAGLE export: {p} not found")
     raw = json.loads((root / CONFIG_FILE).read_text())
     fmt = export_format(raw)
     cfg = _config_from_export(fmt, raw, target.config)
     if cfg.hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
-        raise ValueError(
+        raise ExportError(
             f"{root / CONFIG_FILE}: hidden/vocab size {cfg.hidden_size}/{cfg.vocab_size} do not "
             f"match the target's {target.config.hidden_size}/{target.config.vocab_size}"
         )
@@ -859,7 +873,14 @@ def load_export(
 
 
 def main_export_eagle(argv: list[str] | None = None) -> int:
-    """``draftsmith export --format speculators|eagle3|eagle --src DIR --out DIR ...``."""
+    """``draftsmith export --format speculators|eagle3|eagle --src DIR --out DIR ...``.
+
+    Exit 0 on success, 2 on a bad checkpoint or flag, 1 when the export cannot be written.
+    """
+    return cli_main(_main_export_eagle, argv)
+
+
+def _main_export_eagle(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="draftsmith export",
         description="Write a trained EAGLE drafter for serving: speculators (vLLM, EAGLE-3), "
@@ -892,20 +913,14 @@ def main_export_eagle(argv: list[str] | None = None) -> int:
         "metrics_json": args.metrics,
         "overwrite": args.overwrite,
     }
-    try:
-        if args.format == "speculators":
-            if not args.verifier:
-                parser.error("--format speculators needs --verifier (the target's id or path)")
-            out = export_speculators(
-                args.src, args.out, verifier_name_or_path=args.verifier, **common
-            )
-        elif args.format == "eagle3":
-            out = export_eagle3(args.src, args.out, target_name_or_path=args.verifier, **common)
-        else:
-            out = export_eagle(args.src, args.out, target_name_or_path=args.verifier, **common)
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.format == "speculators":
+        if not args.verifier:
+            parser.error("--format speculators needs --verifier (the target's id or path)")
+        out = export_speculators(args.src, args.out, verifier_name_or_path=args.verifier, **common)
+    elif args.format == "eagle3":
+        out = export_eagle3(args.src, args.out, target_name_or_path=args.verifier, **common)
+    else:
+        out = export_eagle(args.src, args.out, target_name_or_path=args.verifier, **common)
     print(f"exported ({args.format}) to {out}")
     return 0
 

@@ -13,22 +13,23 @@ model in vLLM (``speculative_config={"method": "draft_model", "model": <out>, ..
 
 Writes are atomic: everything goes into a temporary directory beside ``out`` that is renamed into
 place once complete (and, on export, reloaded and checked), so a crash never leaves a half model
-under the final name.
+under the final name (:func:`~draftsmith.train.runinfo.staged_dir`: free space checked first,
+readable by other users, dead writers' temp dirs removed). An export of weights holding NaN or
+inf is refused.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.train.runinfo import replace_dir
+from draftsmith.train.errors import RunError, cli_main
+from draftsmith.train.export import ExportError, check_finite, tensor_bytes
+from draftsmith.train.runinfo import OutputExistsError, json_text, staged_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -155,21 +156,18 @@ def save_draft(
         ``out_dir`` as a Path.
     """
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    weights = state_dict if state_dict is not None else model.state_dict()
+    # Weights plus tokenizer and JSON files (a large vocabulary's tokenizer.json is tens of MiB).
+    need = tensor_bytes(weights) + (64 << 20)
+    with staged_dir(out, overwrite=overwrite, need_bytes=need) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         info = dict(info or {})
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+        (tmp / INFO_FILE).write_text(json_text(info, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(info, out_name=str(out)))
-        replace_dir(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -200,10 +198,11 @@ def export_hf(
         ``out_dir`` as a Path.
 
     Raises:
-        FileNotFoundError: no model (``config.json``) or no tokenizer was found.
-        FileExistsError: ``out_dir`` exists and ``overwrite`` is False.
-        ValueError: the tokenizer has more tokens than the model has output rows.
-        RuntimeError: the reloaded export's logits differ from the source's.
+        ExportError: no model (``config.json``) or no tokenizer was found, or the tokenizer has
+            more tokens than the model has output rows.
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
+        NonFiniteError: a weight holds NaN or inf.
+        RunError: the reloaded export's logits differ from the source's.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,25 +210,32 @@ def export_hf(
     if not (src / "config.json").is_file() and (src / "draft" / "config.json").is_file():
         src = src / "draft"  # the recipe's output_dir
     if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src_dir}: no draft model here (no config.json)")
+        raise ExportError(
+            f"{src_dir}: no draft model here (no config.json); pass the output_dir of "
+            "`draftsmith train distill` or its draft/ directory"
+        )
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+        raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     tok_dir = Path(tokenizer_src) if tokenizer_src is not None else src
     try:
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     except Exception as exc:
         hint = "" if tokenizer_src else " (pass tokenizer_src / --tokenizer, e.g. the target dir)"
-        raise FileNotFoundError(f"cannot load a tokenizer from {tok_dir}: {exc}{hint}") from exc
-    model = AutoModelForCausalLM.from_pretrained(src).eval()
+        raise ExportError(f"cannot load a tokenizer from {tok_dir}: {exc}{hint}") from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src).eval()
+    except Exception as exc:  # missing/damaged weights, an unknown architecture
+        raise ExportError(f"{src}: cannot load the draft model: {exc}") from exc
+    check_finite(model.state_dict(), str(src))
     rows = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
-        raise ValueError(
+        raise ExportError(
             f"tokenizer from {tok_dir} has {len(tokenizer)} tokens but the model only {rows} "
             "output rows: it is not this model's tokenizer"
         )
     info_file = src / INFO_FILE
-    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    info = _read_info(info_file)
     info.setdefault("num_layers", model.config.num_hidden_layers)
     info["exported_from"] = str(src)
     save_draft(model, tokenizer, out, info=info, overwrite=overwrite)
@@ -239,12 +245,30 @@ def export_hf(
     with torch.no_grad():
         same = torch.equal(model(ids).logits, reloaded(ids).logits)
     if not same:
-        raise RuntimeError(f"export check failed: {out} gives different logits than {src}")
+        raise RunError(f"export check failed: {out} gives different logits than {src}")
     return out
 
 
+def _read_info(path: Path) -> dict[str, Any]:
+    """The draft's metadata file, or {} when absent or unreadable (it only feeds the card)."""
+    import json
+
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def main_export_hf(argv: list[str] | None = None) -> int:
-    """``draftsmith export --format hf``: ``--src DIR --out DIR [--tokenizer DIR] [--overwrite]``."""
+    """``draftsmith export --format hf``: ``--src DIR --out DIR [--tokenizer DIR] [--overwrite]``.
+
+    Exit 0 on success, 2 on a bad source or flag, 1 when the export cannot be written.
+    """
+    return cli_main(_main_export_hf, argv)
+
+
+def _main_export_hf(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="draftsmith export --format hf",
         description="Write a trained draft LM as a save_pretrained directory (model, tokenizer, "
@@ -255,11 +279,7 @@ def main_export_hf(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer source (default: --src)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    try:
-        out = export_hf(args.src, args.out, tokenizer_src=args.tokenizer, overwrite=args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    out = export_hf(args.src, args.out, tokenizer_src=args.tokenizer, overwrite=args.overwrite)
     print(f"exported to {out}")
     return 0
 

@@ -23,15 +23,14 @@ L layers share one weight. Heads with L > 1 distinct layers cannot be written in
 (loading would keep one layer); :func:`export_medusa_original` refuses them.
 
 Both exports are written to a temporary directory beside ``out_dir`` and moved into place
-(``os.replace``), so ``out_dir`` never holds a half-written export. Each gets a short README.md.
+(:func:`~draftsmith.train.runinfo.staged_dir`: free space checked first, readable by other
+users, dead writers' temp dirs removed), so ``out_dir`` never holds a half-written export.
+Heads holding NaN or inf are refused. Each gets a short README.md.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,8 @@ from typing import Any
 import torch
 
 from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, MedusaHeads, load_medusa
+from draftsmith.train.export import ExportError, check_finite, tensor_bytes
+from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
     "ORIGINAL_WEIGHTS",
@@ -52,25 +53,33 @@ VLLM_WEIGHTS = "model.safetensors"
 ORIGINAL_WEIGHTS = "medusa_lm_head.safetensors"
 
 
-def _atomic_dir(out_dir: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp)`` on a fresh temp dir beside ``out_dir``, then move it into place."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+def _atomic_dir(
+    out_dir: Path, tensors: dict[str, torch.Tensor], write: Callable[[Path], None]
+) -> Path:
+    """Check ``tensors`` are finite, then ``write(tmp)`` into a staged dir renamed to ``out_dir``.
+
+    An existing ``out_dir`` is replaced: ``draftsmith export`` refuses it without --overwrite
+    before getting here.
+    """
+    check_finite(tensors, f"Medusa heads for {out_dir}")
+    with staged_dir(out_dir, overwrite=True, need_bytes=tensor_bytes(tensors) + (1 << 20)) as tmp:
         write(tmp)
-        old = None
-        if out_dir.exists():
-            # A directory cannot be renamed onto a non-empty one: move the old export aside.
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir)
+
+
+def _load_heads(src_dir: Path) -> tuple[Path, MedusaHeads, dict[str, Any]]:
+    """The heads directory (``src_dir`` or its ``heads/``), the heads and their config."""
+    if not (src_dir / "config.json").is_file() and (src_dir / "heads" / "config.json").is_file():
+        src_dir = src_dir / "heads"  # the recipe's output_dir
+    try:
+        heads = load_medusa(src_dir)
+        src_config = json.loads((src_dir / "config.json").read_text())
+    except Exception as exc:  # missing files, a foreign config, damaged safetensors
+        raise ExportError(
+            f"{src_dir}: no Medusa heads saved by `draftsmith train medusa` here ({exc}); pass "
+            "the run's output_dir or its heads/ directory"
+        ) from exc
+    return src_dir, heads, src_config
 
 
 def _tensors(heads: MedusaHeads, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -115,10 +124,12 @@ def export_medusa_vllm(
 
     Returns:
         ``out_dir``.
+
+    Raises:
+        ExportError: no Medusa heads at ``src_dir``.
+        NonFiniteError: a tensor holds NaN or inf.
     """
-    src_dir = Path(src_dir)
-    heads = load_medusa(src_dir)
-    src_config = json.loads((src_dir / "config.json").read_text())
+    src_dir, heads, src_config = _load_heads(Path(src_dir))
     target = target_name_or_path or src_config.get("target_name_or_path")
     tensors = _tensors(heads, dtype)
     if heads.share_lm_head:
@@ -158,10 +169,10 @@ def export_medusa_vllm(
         from safetensors.torch import save_file
 
         save_file(tensors, str(tmp / VLLM_WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
         (tmp / "README.md").write_text(readme)
 
-    return _atomic_dir(Path(out_dir), write)
+    return _atomic_dir(Path(out_dir), tensors, write)
 
 
 def export_medusa_original(
@@ -180,18 +191,16 @@ def export_medusa_original(
         dtype: cast the weights; default: as trained.
 
     Raises:
-        ValueError: If the heads have more than one residual layer (the original layout shares
+        ExportError: If the heads have more than one residual layer (the original layout shares
             one ResBlock across a head's layers; see the module docstring).
     """
-    src_dir = Path(src_dir)
-    heads = load_medusa(src_dir)
+    src_dir, heads, src_config = _load_heads(Path(src_dir))
     if heads.num_layers != 1:
-        raise ValueError(
+        raise ExportError(
             f"the original Medusa layout repeats ONE ResBlock per head ([ResBlock] * layers), so "
             f"heads with {heads.num_layers} distinct residual layers cannot be written in it; "
             "export to medusa-vllm instead"
         )
-    src_config = json.loads((src_dir / "config.json").read_text())
     ours = _tensors(heads, dtype)
     tensors = {}
     L = heads.num_layers
@@ -223,10 +232,10 @@ def export_medusa_original(
         from safetensors.torch import save_file
 
         save_file(tensors, str(tmp / ORIGINAL_WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
         (tmp / "README.md").write_text(readme)
 
-    return _atomic_dir(Path(out_dir), write)
+    return _atomic_dir(Path(out_dir), tensors, write)
 
 
 def _readme(
@@ -257,7 +266,7 @@ def load_medusa_export(path: str | Path) -> MedusaHeads:
     """Load heads from any of the three layouts: vLLM, original Medusa, or ours.
 
     Raises:
-        ValueError: If the directory holds none of them.
+        ExportError: If the directory holds none of them (a ValueError).
     """
     from safetensors.torch import load_file
 
@@ -297,7 +306,7 @@ def load_medusa_export(path: str | Path) -> MedusaHeads:
     elif config.get("format") == FORMAT:
         return load_medusa(path)
     else:
-        raise ValueError(
+        raise ExportError(
             f"{path} holds no Medusa heads: expected {ORIGINAL_WEIGHTS} (original layout), a "
             "config.json with model_type 'medusa' (vLLM) or a draftsmith Medusa directory"
         )

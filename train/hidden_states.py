@@ -36,6 +36,15 @@ about ``shard_mb``. The plan depends only on the data and the settings, so
 - accelerate rank r of W processes shards r, r + W, ...; the cache does not depend on W (up to
   floating-point differences between devices/thread counts); rank 0 merges the index after a
   barrier. The output directory must be on a filesystem every rank can see.
+
+One build per directory: rank 0 holds ``<out>.lock`` beside it, and a second build into the same
+directory is refused naming the holder's PID. Free space is checked before the build (the whole
+estimate) and before each shard; a shard that still fails for lack of space is removed and the
+build stops with "no space left on ...", keeping the finished shards for a resume.
+
+A cache records its target's weights hash (:func:`target_weights_hash`); a trainer passes
+``expect={"target_hash": target_fingerprint(target)}`` to :func:`feature_source`, so a cache
+built from another target of the same shapes is refused.
 """
 
 from __future__ import annotations
@@ -57,7 +66,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from draftsmith.train import safety
 from draftsmith.train.config import cfg_field
+from draftsmith.train.errors import UsageError, cli_main
+from draftsmith.train.runinfo import json_text, output_lock
 from draftsmith.train.vocab import (
     VOCAB_STATS_FILE,
     iter_token_chunks,
@@ -89,6 +101,7 @@ __all__ = [
     "main_cache",
     "process_state",
     "run_cache",
+    "target_fingerprint",
     "target_weights_hash",
 ]
 
@@ -118,12 +131,21 @@ _HASH_SCHEME = (
 )
 
 
-class CacheError(RuntimeError):
-    """A cache cannot be built or read (bad settings, stale or incomplete directory)."""
+class CacheError(UsageError):
+    """A cache cannot be built or read (bad settings, stale or incomplete directory): exit 2."""
 
 
-class DiskSpaceError(CacheError):
-    """The output filesystem cannot hold the cache; names both byte counts."""
+class DiskSpaceError(safety.DiskSpaceError):
+    """The output filesystem cannot hold the cache (exit 1).
+
+    :class:`draftsmith.train.safety.DiskSpaceError`'s "no space left on <path>: need ~X, have Y"
+    plus ``detail``: what the cache holds and how to make it smaller.
+    """
+
+    def __init__(self, path: str | Path, need: int, have: int | None = None, detail: str = ""):
+        super().__init__(path, need, have)
+        if detail:
+            self.strerror = f"{self.strerror} ({detail})"
 
 
 class CacheMismatchError(CacheError):
@@ -137,6 +159,11 @@ class CacheMismatchError(CacheError):
         self.mismatches = mismatches
         lines = [f"hidden-state cache {path} does not match what the trainer expects:"]
         lines += [f"  {f}: trainer expects {e!r}, cache has {c!r}" for f, e, c in mismatches]
+        lines.append(
+            "  rebuild it for this trainer (`draftsmith data cache --data <tokenized data> --out "
+            "<dir> --target <the trainer's target> --overwrite`) or point the run at a matching "
+            "cache"
+        )
         super().__init__("\n".join(lines))
 
 
@@ -209,6 +236,36 @@ def target_weights_hash(path: str | Path) -> str:
                 fh.seek(i * step)
                 h.update(fh.read(_HASH_CHUNK_BYTES))
     return h.hexdigest()
+
+
+def target_fingerprint(target: str | Path | torch.nn.Module | None) -> str | None:
+    """The weights hash a cache records for ``target``, for ``expect={"target_hash": ...}``.
+
+    A trainer passes it to :func:`feature_source` (or :meth:`HiddenStateCache.verify`) so that a
+    cache built from another target with the same shapes (another fine-tune, a quantization) is
+    refused instead of silently training the drafter on the wrong features.
+
+    Args:
+        target: the target's model directory, or the loaded model (its ``name_or_path`` -- what
+            ``from_pretrained``/``load_target`` set -- must be a local directory; DDP/FSDP
+            wrappers are looked through).
+
+    Returns:
+        :func:`target_weights_hash` of the directory (the value :func:`build_cache` records),
+        or None when the target has no local directory (a model built in memory): then there
+        is nothing to compare and the field is not checked.
+    """
+    if target is None:
+        return None
+    if isinstance(target, torch.nn.Module):
+        inner = _unwrap(target)
+        config = getattr(inner, "config", None)
+        path = getattr(config, "name_or_path", "") or getattr(inner, "name_or_path", "")
+    else:
+        path = target
+    if not path or not Path(path).is_dir():
+        return None
+    return target_weights_hash(path)
 
 
 def dataset_fingerprint(data: Any, max_length: int | None = None) -> str:
@@ -680,18 +737,31 @@ def _free_bytes(path: Path) -> int:
 
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, Any]) -> int:
-    """Write to a temp file, fsync, rename: a shard file is either absent or whole."""
+    """Write to a temp file, fsync, rename: a shard file is either absent or whole.
+
+    Raises:
+        DiskSpaceError: the shard does not fit (checked first), or its write failed for lack
+            of space; the temp file is removed, earlier shards are kept for a resume.
+    """
     from safetensors.torch import save_file
 
+    need = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 16)
+    safety.ensure_free_space(path.parent, need)
     tmp = path.with_name(f".{path.name}.tmp")
-    # One metadata key holding sorted JSON: safetensors writes a multi-key metadata map in hash
-    # order, which would make otherwise identical shards differ byte-wise between runs.
-    save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(metadata, sort_keys=True)})
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        # One metadata key holding sorted JSON: safetensors writes a multi-key metadata map in
+        # hash order, which would make otherwise identical shards differ byte-wise between runs.
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(metadata, sort_keys=True)})
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        if safety.disk_full(exc):
+            raise DiskSpaceError(path.parent, need, detail=f"writing {path.name}") from exc
+        raise
     # safetensors creates files 0600; ranks/trainers running as other users must read them.
     tmp.chmod(0o644)
     os.replace(tmp, path)
@@ -806,6 +876,8 @@ def build_cache(
         )
     if dtype not in DTYPES:
         raise CacheError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if draft_vocab_size is not None and draft_vocab_size < 1:
+        raise CacheError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
     if batch_tokens < 1 or max_batch_size < 1 or shard_mb <= 0:
         raise CacheError("batch_tokens, max_batch_size and shard_mb must be positive")
     out = Path(out_dir)
@@ -814,6 +886,12 @@ def build_cache(
     layers = _check_layers(layers, num_layers)
     hidden_size = int(config.hidden_size)
     vocab_size = int(_unwrap(target).get_output_embeddings().weight.shape[0])
+    if draft_vocab_size is not None and draft_vocab_size > vocab_size:
+        # Checked now, not when the vocab stats are written after every forward.
+        raise CacheError(
+            f"draft_vocab_size {draft_vocab_size} is larger than the target's vocabulary "
+            f"({vocab_size} tokens); use at most {vocab_size}"
+        )
     t0 = time.perf_counter()
 
     # The embedding's rows, which may exceed the lm_head's (padded vocabularies).
@@ -823,8 +901,8 @@ def build_cache(
         raise CacheError("the tokenized data holds no samples")
     num_tokens = int(lengths.sum())
     target_path = str(target_path or getattr(config, "name_or_path", "") or "") or None
-    if target_hash is None and target_path and Path(target_path).is_dir():
-        target_hash = target_weights_hash(target_path)
+    if target_hash is None:
+        target_hash = target_fingerprint(target_path)
     store = DTYPES[dtype]
     bpt = len(layers) * hidden_size * store.itemsize + 9
     plan = _make_plan(lengths, batch_tokens, max_batch_size, int(shard_mb * (1 << 20)), bpt)
@@ -846,72 +924,101 @@ def build_cache(
         ).encode()
     ).hexdigest()
 
-    if state.is_main_process:
-        _prepare_out_dir(out, plan_hash, len(plan.shards), overwrite)
-    state.wait_for_everyone()
+    # One build per directory: rank 0 holds the lock for the job (its ranks share the directory).
+    with contextlib.ExitStack() as stack:
+        if state.is_main_process:
+            stack.enter_context(output_lock(out, "hidden-state cache build"))
+            _prepare_out_dir(out, plan_hash, len(plan.shards), overwrite)
+        state.wait_for_everyone()
 
-    done = [k for k in range(len(plan.shards)) if _shard_ok(out / _shard_name(k), plan_hash)]
-    remaining = sum(plan.shard_bytes(k) for k in range(len(plan.shards)) if k not in set(done))
-    estimate = estimate_cache_bytes(num_tokens, len(layers), hidden_size, dtype)
-    free = _free_bytes(out)
-    if state.is_main_process and progress:
-        print(
-            f"hidden-state cache {out}: {len(lengths)} samples, {num_tokens} tokens × "
-            f"{len(layers)} layers {layers} × hidden {hidden_size} × {store.itemsize} B ({dtype}) "
-            f"≈ {_fmt_bytes(estimate)} in {len(plan.shards)} shards; "
-            f"{len(done)} shard(s) already done, {_fmt_bytes(remaining)} to write, "
-            f"{_fmt_bytes(free)} free",
-            file=sys.stderr,
-        )
-    if remaining > free:
-        raise DiskSpaceError(
-            f"not enough disk space for the hidden-state cache in {out}: it needs "
-            f"{remaining} bytes ({_fmt_bytes(remaining)}; {num_tokens} tokens × {len(layers)} "
-            f"layers × {hidden_size} hidden × {store.itemsize} bytes in total) but only {free} "
-            f"bytes ({_fmt_bytes(free)}) are free. Free space, cache fewer layers, use "
-            f"--dtype bf16, or write elsewhere."
-        )
+        done = [k for k in range(len(plan.shards)) if _shard_ok(out / _shard_name(k), plan_hash)]
+        remaining = sum(plan.shard_bytes(k) for k in range(len(plan.shards)) if k not in set(done))
+        estimate = estimate_cache_bytes(num_tokens, len(layers), hidden_size, dtype)
+        free = _free_bytes(out)
+        if state.is_main_process and progress:
+            print(
+                f"hidden-state cache {out}: {len(lengths)} samples, {num_tokens} tokens × "
+                f"{len(layers)} layers {layers} × hidden {hidden_size} × {store.itemsize} B ({dtype}) "
+                f"≈ {_fmt_bytes(estimate)} in {len(plan.shards)} shards; "
+                f"{len(done)} shard(s) already done, {_fmt_bytes(remaining)} to write, "
+                f"{_fmt_bytes(free)} free",
+                file=sys.stderr,
+            )
+        if remaining > free:
+            raise DiskSpaceError(
+                out,
+                remaining,
+                free,
+                detail=f"the hidden-state cache needs {remaining} bytes: {num_tokens} tokens × "
+                f"{len(layers)} layers × {hidden_size} hidden × {store.itemsize} bytes in total, "
+                f"only {free} bytes are free; cache fewer layers or use --dtype bf16",
+            )
 
-    mine = [k for k in range(state.process_index, len(plan.shards), state.num_processes)]
-    todo = [k for k in mine if k not in set(done)]
-    skipped = [k for k in mine if k in set(done)]
-    for k in todo:  # a temp file left by a killed writer of one of our shards
-        (out / f".{_shard_name(k)}.tmp").unlink(missing_ok=True)
+        mine = [k for k in range(state.process_index, len(plan.shards), state.num_processes)]
+        todo = [k for k in mine if k not in set(done)]
+        skipped = [k for k in mine if k in set(done)]
+        for k in todo:  # a temp file left by a killed writer of one of our shards
+            (out / f".{_shard_name(k)}.tmp").unlink(missing_ok=True)
 
-    written: list[int] = []
-    my_tokens = sum(plan.shard_tokens[k] for k in todo)
-    t_work = time.perf_counter()
-    bar = _progress_bar(my_tokens, progress and state.is_main_process, state)
-    meta_common = {"format": FORMAT, "version": FORMAT_VERSION, "plan": plan_hash,
-                   "layers": layers, "dtype": dtype}  # fmt: skip
-    # One writer thread: serializing/writing shard k overlaps the forwards of shard k+1.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending: tuple[int, Future] | None = None
-        for k in todo:
-            tensors = _compute_shard(target, data, plan.shards[k], layers, store, max_length, bar)
-            meta = {**meta_common, "shard": k}
+        written: list[int] = []
+        my_tokens = sum(plan.shard_tokens[k] for k in todo)
+        t_work = time.perf_counter()
+        bar = _progress_bar(my_tokens, progress and state.is_main_process, state)
+        meta_common = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "plan": plan_hash,
+            "layers": layers,
+            "dtype": dtype,
+        }
+        # One writer thread: serializing/writing shard k overlaps the forwards of shard k+1.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending: tuple[int, Future] | None = None
+            for k in todo:
+                tensors = _compute_shard(
+                    target, data, plan.shards[k], layers, store, max_length, bar
+                )
+                meta = {**meta_common, "shard": k}
+                if pending is not None:
+                    pending[1].result()
+                    written.append(pending[0])
+                    if on_shard_written is not None:
+                        on_shard_written(pending[0])
+                pending = (k, pool.submit(_write_shard, out / _shard_name(k), tensors, meta))
             if pending is not None:
                 pending[1].result()
                 written.append(pending[0])
                 if on_shard_written is not None:
                     on_shard_written(pending[0])
-            pending = (k, pool.submit(_write_shard, out / _shard_name(k), tensors, meta))
-        if pending is not None:
-            pending[1].result()
-            written.append(pending[0])
-            if on_shard_written is not None:
-                on_shard_written(pending[0])
-    bar.close()
-    seconds = time.perf_counter() - t_work
+        bar.close()
+        seconds = time.perf_counter() - t_work
 
-    state.wait_for_everyone()
-    if state.is_main_process:
-        _finalize(
-            out, data, plan, plan_hash, lengths, layers, dtype, hidden_size, num_layers,
-            vocab_size, target, target_path, target_hash, template_fingerprint, data_fp,
-            max_length, batch_tokens, max_batch_size, shard_mb, draft_vocab_size, always_include,
-        )  # fmt: skip
-    state.wait_for_everyone()
+        state.wait_for_everyone()
+        if state.is_main_process:
+            _finalize(
+                out,
+                data,
+                plan,
+                plan_hash,
+                lengths,
+                layers,
+                dtype,
+                hidden_size,
+                num_layers,
+                vocab_size,
+                target,
+                target_path,
+                target_hash,
+                template_fingerprint,
+                data_fp,
+                max_length,
+                batch_tokens,
+                max_batch_size,
+                shard_mb,
+                draft_vocab_size,
+                always_include,
+            )
+        state.wait_for_everyone()
     return {
         "out": str(out),
         "process_index": state.process_index,
@@ -1136,7 +1243,7 @@ def _fetch_ids(data: Any) -> list[tuple[None, None, str]]:
 
 def _write_json(path: Path, obj: Any, indent: int | None) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=indent) + "\n")
+    tmp.write_text(json_text(obj, indent=indent) + "\n")
     tmp.replace(path)
 
 
@@ -1177,10 +1284,17 @@ class HiddenStateCache(torch.utils.data.Dataset):
             hint = (
                 " (shards exist: the build did not finish; rerun the same cache command to resume)"
                 if partial
-                else ""
+                else f"; build it with `draftsmith data cache --data <tokenized data> --out "
+                f"{self.path}`"
             )
             raise CacheError(f"{self.path} holds no finished hidden-state cache{hint}")
-        self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+        try:
+            self.manifest: dict[str, Any] = json.loads(mpath.read_text())
+        except (OSError, ValueError) as exc:
+            raise CacheError(
+                f"{mpath}: cannot read the cache manifest ({exc}); rebuild the cache with "
+                "`draftsmith data cache ... --overwrite`"
+            ) from exc
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != FORMAT_VERSION:
             raise CacheError(
                 f"{self.path}: cache format {self.manifest.get('format')!r} v"
@@ -1393,7 +1507,17 @@ class CacheConfig:
                 problems.append((name, f"must be >= 1, got {v}"))
         if self.shard_mb <= 0:
             problems.append(("shard_mb", f"must be > 0, got {self.shard_mb}"))
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            problems.append(("draft_vocab_size", f"must be >= 1, got {self.draft_vocab_size}"))
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            problems.append(("layers", f"must be one or more indices >= 0, got {self.layers}"))
+        if self.device_map not in (None, *_DEVICE_MAPS):
+            problems.append(("device_map", f"must be one of {list(_DEVICE_MAPS)} or unset"))
         return problems
+
+
+# What from_pretrained accepts as a named device_map.
+_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def main_cache(argv: list[str] | None = None) -> int:
@@ -1403,27 +1527,25 @@ def main_cache(argv: list[str] | None = None) -> int:
         argv: Arguments without the program/subcommand name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        Exit code: 0 on success, 2 on a config error, 1 on a data, target or disk-space error.
+        Exit code: 0 on success; 2 on a config, data or cache error (missing or malformed data,
+        layers outside the target, a draft vocab larger than the vocab, a directory holding
+        another cache); 1 when the target cannot be loaded, another build holds the directory,
+        or the disk is full.
     """
-    from draftsmith.train.config import ConfigError, parse_config
-    from draftsmith.train.target import TargetError
+    return cli_main(_main_cache, argv)
 
-    try:
-        cfg = parse_config(
-            CacheConfig,
-            argv,
-            prog="draftsmith data cache",
-            description="Run the frozen target over tokenized data and cache the hidden states "
-            "drafters train on (resumable; one slice per accelerate process).",
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2  # a usage error, as in the other draftsmith commands
-    try:
-        summary = run_cache(cfg)
-    except (CacheError, TargetError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+
+def _main_cache(argv: list[str]) -> int:
+    from draftsmith.train.config import parse_config
+
+    cfg = parse_config(
+        CacheConfig,
+        argv,
+        prog="draftsmith data cache",
+        description="Run the frozen target over tokenized data and cache the hidden states "
+        "drafters train on (resumable; one slice per accelerate process).",
+    )
+    summary = run_cache(cfg)
     if summary.get("is_main_process", True):
         rate = summary["tokens_per_s"]
         print(
@@ -1448,6 +1570,10 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
             "run one process per machine (e.g. `accelerate launch --num_processes <machines>` "
             "on several machines, or plain `draftsmith data cache` on one)"
         )
+    # The data first: a wrong path fails before the (slow) target load.
+    data = load_token_data(cfg.data)
+    if cfg.limit is not None:
+        data = data.select(range(min(cfg.limit, len(data))))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     path = prepare_target(cfg.target, cache_dir=cfg.cache_dir, quiet=not state.is_main_process)
@@ -1465,9 +1591,6 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
         model.to(state.device)
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    data = load_token_data(cfg.data)
-    if cfg.limit is not None:
-        data = data.select(range(min(cfg.limit, len(data))))
     layers = cfg.layers or default_layers(cfg.preset, int(model.config.num_hidden_layers))
     eos = []
     for v in (tokenizer.eos_token_id, model.config.eos_token_id):

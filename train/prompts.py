@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftsmith.train.errors import UsageError
+
 __all__ = [
     "DEFAULT_PROMPTS",
     "HELDOUT_ID_MODULUS",
@@ -75,8 +77,8 @@ class PromptRecord:
     reference: str | None = None
 
 
-class PromptFileError(ValueError):
-    """A prompt file is missing, empty or malformed.
+class PromptFileError(UsageError):
+    """A prompt file is missing, empty or malformed (exit code 2).
 
     The message reads ``"<path>:<line>: field '<field>': <problem>"`` (line and field are left
     out when they do not apply); they are also available as attributes.

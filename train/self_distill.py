@@ -18,6 +18,11 @@ and decoded together with a KV cache; a sequence leaves the batch when it ends. 
 sampling draws each record's tokens from its own generator seeded from ``(seed, id, turn)``, so a
 record's answer does not depend on which batch it landed in or on the order of the run.
 
+One writer per output: a run holds ``<output>.lock`` (the kernel drops it when the process
+dies), and a second run into the same output is refused naming the first one's PID. Before each
+batch the free space is checked against an estimate of the batch's records; a write that fails
+anyway (disk full) is cut back to the last complete batch and reported as "no space left".
+
 Resumable: each batch is appended as complete lines and fsync'd. On restart the output is read, a
 last line cut short by a kill is discarded, and the records already written are skipped; the
 batch plan is a function of the whole selection, so the finished file is byte-identical to an
@@ -31,6 +36,7 @@ held-out, as in ``shared/data/alpaca_2k.jsonl``), and every record otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -45,7 +51,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.train.config import ConfigError, cfg_field, parse_config
+from draftsmith.train.config import cfg_field, parse_config
 from draftsmith.train.data import (
     SHAPES,
     Conversation,
@@ -57,7 +63,10 @@ from draftsmith.train.data import (
     select_split,
     template_fingerprint,
 )
+from draftsmith.train.errors import UsageError, cli_main
 from draftsmith.train.prompts import DEFAULT_PROMPTS
+from draftsmith.train.runinfo import json_text, output_lock
+from draftsmith.train.safety import DiskSpaceError, disk_full, ensure_free_space
 from draftsmith.train.sampling import SamplingParams, eos_set, logits_to_probs, sampling_problems
 
 __all__ = [
@@ -90,8 +99,12 @@ _STRICT_SETTINGS = (
 )
 
 
-class DistillError(RuntimeError):
-    """The output cannot be resumed (other settings, a corrupt line) or the input is unusable."""
+class DistillError(UsageError):
+    """The output cannot be resumed (other settings, a corrupt line) or the input is unusable.
+
+    A usage error (exit code 2): the fix is another ``--output``, the same settings, or
+    ``--overwrite``.
+    """
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,8 +381,29 @@ def _check_meta(meta_path: Path, settings: dict[str, Any]) -> None:
 
 def _write_meta(meta_path: Path, data: dict[str, Any]) -> None:
     tmp = meta_path.with_name(meta_path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json_text(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, meta_path)
+
+
+# Bytes a generated token takes in the JSON output, generously: a token is a few characters of
+# UTF-8 (up to 4 bytes each) and JSON escapes (\n, \") double some of them.
+_BYTES_PER_TOKEN = 16
+
+
+def _batch_bytes(batch: Sequence[Conversation], plans: dict, max_new_tokens: int) -> int:
+    """An upper estimate of the bytes a batch's records take in the output."""
+    total = 0
+    for c in batch:
+        total += len(json.dumps(c.raw, ensure_ascii=False).encode()) + 64
+        total += len(plans[c.id][1]) * max_new_tokens * _BYTES_PER_TOKEN
+    return total
+
+
+def _append(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at the end of ``fd`` (``os.write`` may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def self_distill(
@@ -388,6 +422,7 @@ def self_distill(
     progress: bool = True,
     meta: dict[str, Any] | None = None,
     on_batch: Callable[[int], None] | None = None,
+    lock: bool = True,
 ) -> DistillStats:
     """Regenerate the assistant turns of ``conversations`` with ``model``; append to ``output``.
 
@@ -409,6 +444,7 @@ def self_distill(
             the input path and split).
         on_batch: Called with the number of batches written so far by this call, after each
             batch is on disk (tests use it to simulate a kill).
+        lock: Hold ``<output>.lock`` while writing; pass False when the caller holds it.
 
     Returns:
         Counters of this call.
@@ -416,6 +452,9 @@ def self_distill(
     Raises:
         DistillError: The output cannot be resumed, a record has no turns, or ids repeat.
         TemplateError: The chat template failed on a record (its source is named).
+        OutputLockedError: Another process writes ``output`` (its PID is named).
+        DiskSpaceError: A batch does not fit on the disk; the output keeps every complete
+            batch written before it, so a rerun resumes from there.
     """
     if turns not in ("all", "last"):
         raise ValueError(f"turns must be 'all' or 'last', got {turns!r}")
@@ -445,82 +484,100 @@ def self_distill(
             raise DistillError(f"{conv.source}: id {conv.id!r} repeats {by_id[conv.id].source}")
         by_id[conv.id] = conv
 
-    # --- resume --------------------------------------------------------------------------------
-    if overwrite:
-        output.unlink(missing_ok=True)
-    if output.exists():
-        if not meta_path.exists():
-            raise DistillError(
-                f"{output} exists but has no {meta_path.name} (not written by draftsmith "
-                "distill?); move it away or pass --overwrite"
-            )
-        _check_meta(meta_path, settings)
-        done_ids, stats.discarded_partial_line = read_completed(output)
-    else:
-        done_ids = []
-    done = set(done_ids) & set(by_id)
-    stats.already_done = len(done)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    _write_meta(meta_path, {"settings": settings, "complete": False})
-
-    # --- plan: the batches depend on the whole selection only, never on what is done ---------
-    plans = {c.id: _plan_turns(c, turns) for c in conversations}
-    order = list(conversations)
-    if sort_by_length:
-        first_len = {}
-        for c in conversations:
-            messages, targets = plans[c.id]
-            first_len[c.id] = len(_prompt_ids(tokenizer, c, messages[: targets[0]]))
-        order = sorted(order, key=lambda c: -first_len[c.id])  # stable: ties keep file order
-    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-    eos = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)} - {None}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-
-    bar = _progress(progress, stats.selected, stats.already_done)
-    t0 = time.perf_counter()
-    written_batches = 0
-    try:
-        with open(output, "ab") as f:
-            for batch in batches:
-                if all(c.id in done for c in batch):
-                    continue
-                # A partly written batch is regenerated whole, so every answer comes from the
-                # same batch composition as in an uninterrupted run; only missing ones are written.
-                records, n_tokens = _distill_batch(
-                    model,
-                    tokenizer,
-                    batch,
-                    plans,
-                    stats,
-                    max_new_tokens=max_new_tokens,
-                    sampling=sampling,
-                    seed=seed,
-                    eos=eos,
-                    pad=pad,
-                    max_pos=max_pos,
+    # One writer per output: two runs appending to one file would both write every record.
+    guard = output_lock(output, "distill output") if lock else contextlib.nullcontext()
+    with guard:
+        # --- resume ----------------------------------------------------------------------------
+        if overwrite:
+            output.unlink(missing_ok=True)
+        if output.exists():
+            if not meta_path.exists():
+                raise DistillError(
+                    f"{output} exists but has no {meta_path.name} (not written by draftsmith "
+                    "distill?); move it away or pass --overwrite"
                 )
-                lines = [r for c, r in records if c.id not in done]
-                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines).encode())
-                f.flush()
-                os.fsync(f.fileno())
-                stats.written += len(lines)
-                stats.generated_tokens += n_tokens
-                stats.truncated += sum(1 for r in lines if r.get("truncated"))
-                written_batches += 1
-                if bar is not None:
-                    elapsed = time.perf_counter() - t0
-                    bar.set_postfix_str(f"{stats.generated_tokens / elapsed:.1f} tok/s")
-                    bar.update(sum(1 for c in batch if c.id not in done))
-                if on_batch is not None:
-                    on_batch(written_batches)
-    finally:
-        stats.seconds = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-    _write_meta(meta_path, {"settings": settings, "complete": True})
-    return stats
+            _check_meta(meta_path, settings)
+            done_ids, stats.discarded_partial_line = read_completed(output)
+        else:
+            done_ids = []
+        done = set(done_ids) & set(by_id)
+        stats.already_done = len(done)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        _write_meta(meta_path, {"settings": settings, "complete": False})
+
+        # --- plan: the batches depend on the whole selection only, never on what is done -----
+        plans = {c.id: _plan_turns(c, turns) for c in conversations}
+        order = list(conversations)
+        if sort_by_length:
+            first_len = {}
+            for c in conversations:
+                messages, targets = plans[c.id]
+                first_len[c.id] = len(_prompt_ids(tokenizer, c, messages[: targets[0]]))
+            order = sorted(order, key=lambda c: -first_len[c.id])  # stable: ties keep file order
+        batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+        eos = {tokenizer.eos_token_id, *_as_list(model.generation_config.eos_token_id)} - {None}
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+
+        bar = _progress(progress, stats.selected, stats.already_done)
+        t0 = time.perf_counter()
+        written_batches = 0
+        try:
+            fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                for batch in batches:
+                    if all(c.id in done for c in batch):
+                        continue
+                    # Checked before generating, so a full disk costs no generation time.
+                    need = _batch_bytes(batch, plans, max_new_tokens)
+                    ensure_free_space(output.parent, need)
+                    # A partly written batch is regenerated whole, so every answer comes from
+                    # the same batch composition as in an uninterrupted run; only missing ones
+                    # are written.
+                    records, n_tokens = _distill_batch(
+                        model,
+                        tokenizer,
+                        batch,
+                        plans,
+                        stats,
+                        max_new_tokens=max_new_tokens,
+                        sampling=sampling,
+                        seed=seed,
+                        eos=eos,
+                        pad=pad,
+                        max_pos=max_pos,
+                    )
+                    lines = [r for c, r in records if c.id not in done]
+                    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+                    start = os.lseek(fd, 0, os.SEEK_END)
+                    try:
+                        _append(fd, data.encode())
+                        os.fsync(fd)
+                    except OSError as exc:
+                        # Cut back to the last complete batch: the file stays resumable.
+                        os.ftruncate(fd, start)
+                        if disk_full(exc):
+                            raise DiskSpaceError(output.parent, len(data.encode())) from exc
+                        raise
+                    stats.written += len(lines)
+                    stats.generated_tokens += n_tokens
+                    stats.truncated += sum(1 for r in lines if r.get("truncated"))
+                    written_batches += 1
+                    if bar is not None:
+                        elapsed = time.perf_counter() - t0
+                        bar.set_postfix_str(f"{stats.generated_tokens / elapsed:.1f} tok/s")
+                        bar.update(sum(1 for c in batch if c.id not in done))
+                    if on_batch is not None:
+                        on_batch(written_batches)
+            finally:
+                os.close(fd)
+        finally:
+            stats.seconds = time.perf_counter() - t0
+            if bar is not None:
+                bar.close()
+        _write_meta(meta_path, {"settings": settings, "complete": True})
+        return stats
 
 
 def _prompt_ids(tokenizer: Any, conv: Conversation, messages: list[dict[str, str]]) -> list[int]:
@@ -678,7 +735,23 @@ class DistillConfig:
             problems.append(("limit", f"must be >= 1, got {self.limit}"))
         if self.shape == "text":
             problems.append(("shape", "text records have no turns to answer"))
+        problems += _device_problems(self.device)
         return problems
+
+
+def _device_problems(device: str) -> list[tuple[str, str]]:
+    """A device string torch cannot parse, or CUDA asked for on a machine without it."""
+    if device == "auto":
+        return []
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        return [("device", f"{device!r} is not a device (use auto, cpu, cuda or cuda:N)")]
+    if kind == "cuda" and not torch.cuda.is_available():
+        return [("device", f"{device!r}: CUDA is not available on this machine")]
+    if kind not in ("cpu", "cuda", "mps", "xpu"):
+        return [("device", f"{device!r}: unsupported device type {kind!r}")]
+    return []
 
 
 def _resolve_split(conversations: list[Conversation], split: str) -> tuple[str, str]:
@@ -704,38 +777,31 @@ def main_distill(argv: list[str] | None = None) -> int:
         argv: Arguments without the program/subcommand name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        Exit code: 0 done, 1 generation failed, 2 bad config, input, output state or target.
+        Exit code: 0 done; 2 bad config, input or output state (another run's settings);
+        1 the run failed (target, another process writing the output, disk full).
     """
-    from draftsmith.train.target import TargetError, load_target
+    return cli_main(_main_distill, argv)
 
-    try:
-        cfg = parse_config(
-            DistillConfig,
-            argv,
-            prog="draftsmith data distill",
-            description="Regenerate the assistant turns of a data set with the target itself.",
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+
+def _main_distill(argv: list[str]) -> int:
+    from draftsmith.train.target import load_target
+
+    cfg = parse_config(
+        DistillConfig,
+        argv,
+        prog="draftsmith data distill",
+        description="Regenerate the assistant turns of a data set with the target itself.",
+    )
     source = cfg.input or DEFAULT_PROMPTS
 
     # Inputs are checked before the (slow) model load, so a typo fails in a second.
-    try:
-        conversations, summary = load_records(
-            source, shape=cfg.shape, skip_invalid=cfg.skip_invalid
-        )
-        split, why = _resolve_split(conversations, cfg.split)
-        conversations = select_split(conversations, split)
-        if cfg.limit is not None:
-            conversations = conversations[: cfg.limit]
-        if not conversations:
-            raise DataFileError(source, f"no records in split {split!r}")
-    except DataFileError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    conversations, summary = load_records(source, shape=cfg.shape, skip_invalid=cfg.skip_invalid)
+    split, why = _resolve_split(conversations, cfg.split)
+    conversations = select_split(conversations, split)
+    if cfg.limit is not None:
+        conversations = conversations[: cfg.limit]
+    if not conversations:
+        raise DataFileError(source, f"no records in split {split!r}")
     print(f"input: {summary}", file=sys.stderr)
     print(f"split: {split} ({why}): {len(conversations)} records to answer", file=sys.stderr)
     meta = {
@@ -745,32 +811,23 @@ def main_distill(argv: list[str] | None = None) -> int:
         "limit": cfg.limit,
         "target": cfg.target,
     }
-
-    # A resume with other settings fails here, before the model load (self_distill checks
-    # the model, dtype and template too).
-    if cfg.output.exists() and not cfg.overwrite:
-        early = {**meta, "turns": cfg.turns, "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed}
-        early.update(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    # Taken before the model load: a second run into this output is refused at once.
+    with output_lock(cfg.output, "distill output"):
+        # A resume with other settings fails here, before the model load (self_distill checks
+        # the model, dtype and template too).
         meta_path = cfg.output.with_name(cfg.output.name + ".meta")
-        try:
-            if meta_path.exists():
-                _check_meta(meta_path, early)
-        except DistillError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
+        if cfg.output.exists() and not cfg.overwrite and meta_path.exists():
+            early = {**meta, "turns": cfg.turns, "max_new_tokens": cfg.max_new_tokens}
+            early.update(seed=cfg.seed, temperature=cfg.temperature, top_k=cfg.top_k)
+            _check_meta(meta_path, {**early, "top_p": cfg.top_p})
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = cfg.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         model, tokenizer = load_target(
             cfg.target, cache_dir=cfg.cache_dir, dtype=getattr(torch, cfg.dtype), device=device
         )
-    except TargetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
-    try:
         stats = self_distill(
             model,
             tokenizer,
@@ -778,17 +835,15 @@ def main_distill(argv: list[str] | None = None) -> int:
             cfg.output,
             max_new_tokens=cfg.max_new_tokens,
             batch_size=cfg.batch_size,
-            sampling=sampling,
+            sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
             seed=cfg.seed,
             turns=cfg.turns,
             sort_by_length=cfg.sort_by_length,
             overwrite=cfg.overwrite,
             progress=cfg.progress,
             meta=meta,
+            lock=False,
         )
-    except (DistillError, TemplateError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, DistillError) else 1
     total = stats.already_done + stats.written
     lines = [
         f"{cfg.output}: {total} of {stats.selected} records complete "

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from draftsmith.train.errors import RunError
+
 try:  # fcntl is POSIX-only; without it we rely on the atomic rename alone.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -88,8 +90,8 @@ _WEIGHT_FILES = (
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-class TargetError(RuntimeError):
-    """A target could not be found, fetched, validated or converted."""
+class TargetError(RunError):
+    """A target could not be found, fetched, validated or converted (exit code 1)."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ vocab``. The draft size is a training decision, so the counts are what a cache k
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,10 +36,13 @@ import numpy as np
 import torch
 
 from draftsmith.train.config import cfg_field
+from draftsmith.train.errors import UsageError, cli_main
 
 __all__ = [
     "VOCAB_STATS_FILE",
     "TokenChunk",
+    "TokenDataError",
+    "VocabError",
     "coverage",
     "draft_vocab",
     "iter_token_chunks",
@@ -53,6 +55,14 @@ __all__ = [
 ]
 
 VOCAB_STATS_FILE = "vocab_stats.safetensors"
+
+
+class TokenDataError(UsageError):
+    """Tokenized data is missing or malformed; the message names the file, line or sample."""
+
+
+class VocabError(UsageError):
+    """A draft vocabulary cannot be built as asked (size outside ``[1, V]``, bad forced ids)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,29 +99,61 @@ def load_token_data(path: str | Path) -> Any:
         A ``datasets.Dataset``.
 
     Raises:
-        FileNotFoundError: If ``path`` does not exist.
-        ValueError: If the data lacks ``input_ids``/``loss_mask`` or a dataset dict has several
-            splits.
+        TokenDataError: If ``path`` does not exist, cannot be read, lacks ``input_ids`` /
+            ``loss_mask`` lists of integers, holds no samples, or is a dataset dict with several
+            splits; a malformed JSONL line is named.
     """
     import datasets
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"tokenized data not found: {path}")
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if len(ds) != 1:
-                raise ValueError(f"{path} holds splits {list(ds)}; point at one split's directory")
-            ds = next(iter(ds.values()))
-    else:
-        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        raise TokenDataError(
+            f"tokenized data not found: {path} (make it with `draftsmith data tokenize --input "
+            f"<conversations> --output {path}`)"
+        )
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many types (FileNotFoundError, ArrowInvalid, ...)
+        raise _unreadable(path, exc) from exc
+    if isinstance(ds, datasets.DatasetDict):
+        if len(ds) != 1:
+            raise TokenDataError(f"{path} holds splits {list(ds)}; point at one split's directory")
+        ds = next(iter(ds.values()))
     missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
     if missing:
-        raise ValueError(
-            f"{path}: tokenized data lacks column(s) {missing} (has {ds.column_names})"
+        raise TokenDataError(
+            f"{path}: tokenized data lacks column(s) {missing} (has {ds.column_names}); make it "
+            "with `draftsmith data tokenize`"
         )
+    for name in ("input_ids", "loss_mask"):
+        inner = getattr(ds.features[name], "feature", None)  # List(Value(...)) / Sequence
+        if not str(getattr(inner, "dtype", "")).startswith(("int", "uint", "bool")):
+            raise TokenDataError(
+                f"{path}: column {name!r} must hold lists of integers, got {ds.features[name]}"
+            )
+    if len(ds) == 0:
+        raise TokenDataError(f"{path}: the tokenized data holds no samples")
     return ds
+
+
+def _unreadable(path: Path, exc: Exception) -> TokenDataError:
+    """Name the first bad line of a JSONL file, else pass on the reader's own message."""
+    if path.is_file():
+        with open(path, "rb") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as err:
+                    return TokenDataError(f"{path}:{n}: invalid JSON ({err})")
+                if not isinstance(obj, dict):
+                    return TokenDataError(f"{path}:{n}: a sample must be a JSON object")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TokenDataError(f"{path}: cannot read tokenized data ({first})")
 
 
 def iter_token_chunks(
@@ -129,7 +171,8 @@ def iter_token_chunks(
         max_length: cut every sample to this many tokens.
 
     Raises:
-        ValueError: If a sample's ``input_ids`` and ``loss_mask`` differ in length (naming it).
+        TokenDataError: If a sample's ``input_ids`` and ``loss_mask`` differ in length (naming
+            it); a ValueError.
     """
     if _is_hf_dataset(data):
         import pyarrow.compute as pc
@@ -181,7 +224,7 @@ def token_counts(data: Any, vocab_size: int, max_length: int | None = None) -> t
         ``[V]`` int64 counts.
 
     Raises:
-        ValueError: If a token id is outside ``[0, V)``.
+        TokenDataError: If a token id is outside ``[0, V)`` (a ValueError).
     """
     if isinstance(data, (str, Path)):
         data = _open_any(Path(data))
@@ -190,7 +233,7 @@ def token_counts(data: Any, vocab_size: int, max_length: int | None = None) -> t
         sup = chunk.input_ids[chunk.loss_mask == 1]
         if sup.size and (sup.min() < 0 or sup.max() >= vocab_size):
             bad = int(sup.max() if sup.max() >= vocab_size else sup.min())
-            raise ValueError(
+            raise TokenDataError(
                 f"token id {bad} in samples {chunk.start}..{chunk.start + len(chunk.lengths) - 1} "
                 f"is outside the vocabulary [0, {vocab_size})"
             )
@@ -218,20 +261,20 @@ def draft_vocab(
         ``t2d``: ``[V]`` bool, True for target ids in the draft vocabulary.
 
     Raises:
-        ValueError: If ``n`` is out of range, or ``always_include`` holds more than ``n`` ids or
+        VocabError: If ``n`` is out of range, or ``always_include`` holds more than ``n`` ids or
             an id outside the vocabulary.
     """
     counts_np = counts.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
     v = counts_np.shape[0]
     if not 1 <= n <= v:
-        raise ValueError(f"draft vocab size must be in [1, {v}] (the target vocab), got {n}")
+        raise VocabError(f"draft_vocab_size must be in [1, {v}] (the target's vocabulary), got {n}")
     forced = np.zeros(v, dtype=bool)
     for t in always_include:
         if not 0 <= int(t) < v:
-            raise ValueError(f"always_include id {t} is outside the vocabulary [0, {v})")
+            raise VocabError(f"always_include id {t} is outside the vocabulary [0, {v})")
         forced[int(t)] = True
     if forced.sum() > n:
-        raise ValueError(f"always_include holds {int(forced.sum())} ids, more than N = {n}")
+        raise VocabError(f"always_include holds {int(forced.sum())} ids, more than N = {n}")
     ids = np.arange(v, dtype=np.int64)
     # lexsort: last key is primary. Forced first, then by descending count, then by id.
     order = np.lexsort((ids, -counts_np, ~forced))
@@ -310,8 +353,17 @@ def save_vocab_stats(
         }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    # One key of sorted JSON: safetensors writes several keys in hash order (not reproducible).
-    save_file(tensors, str(tmp), metadata={"draftsmith": json.dumps(meta, sort_keys=True)})
+    try:
+        # One key of sorted JSON: safetensors writes several keys in hash order (not
+        # reproducible).
+        save_file(tensors, str(tmp), metadata={"draftsmith": json.dumps(meta, sort_keys=True)})
+    except Exception as exc:
+        from draftsmith.train.safety import DiskSpaceError, disk_full
+
+        tmp.unlink(missing_ok=True)
+        if disk_full(exc):
+            raise DiskSpaceError(path.parent, sum(t.numel() * 8 for t in tensors.values())) from exc
+        raise
     tmp.chmod(0o644)  # safetensors creates 0600 files; caches are shared
     tmp.replace(path)
     return meta
@@ -379,25 +431,22 @@ def main_vocab(argv: list[str] | None = None) -> int:
         argv: Arguments without the program/subcommand name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        Exit code: 0 on success, 1 on a usage or data error (printed to stderr).
+        Exit code: 0 on success; 2 on a config or data error (missing or malformed data, a
+        draft vocab larger than the vocab); 1 when the target cannot be read or the disk is full.
     """
-    from draftsmith.train.config import ConfigError, parse_config
+    return cli_main(_main_vocab, argv)
 
-    try:
-        cfg = parse_config(
-            VocabConfig,
-            argv,
-            prog="draftsmith data vocab",
-            description="Supervised-token frequencies and EAGLE-3's reduced draft vocabulary.",
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2  # a usage error, as in the other draftsmith commands
-    try:
-        summary = _run_vocab(cfg)
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+
+def _main_vocab(argv: list[str]) -> int:
+    from draftsmith.train.config import parse_config
+
+    cfg = parse_config(
+        VocabConfig,
+        argv,
+        prog="draftsmith data vocab",
+        description="Supervised-token frequencies and EAGLE-3's reduced draft vocabulary.",
+    )
+    summary = _run_vocab(cfg)
     for key, value in summary.items():
         print(f"  {key}: {value}")
     return 0
@@ -405,7 +454,16 @@ def main_vocab(argv: list[str] | None = None) -> int:
 
 def _run_vocab(cfg: VocabConfig) -> dict[str, Any]:
     data_path = Path(cfg.data)
+    # Everything about the input is checked before a target is looked up (which may download).
+    if not data_path.exists():
+        raise TokenDataError(
+            f"data: {data_path} not found (a hidden-state cache from `draftsmith data cache`, or "
+            "tokenized data from `draftsmith data tokenize`)"
+        )
     manifest = _read_manifest(data_path)
+    out = cfg.out or (data_path / VOCAB_STATS_FILE if manifest else None)
+    if out is None:
+        raise UsageError("out: give --out (the data is not a hidden-state cache directory)")
     vocab_size = cfg.vocab_size or (manifest or {}).get("target", {}).get("vocab_size")
     eos: list[int] = []
     if vocab_size is None or (cfg.include_eos and cfg.draft_vocab_size):
@@ -421,10 +479,12 @@ def _run_vocab(cfg: VocabConfig) -> dict[str, Any]:
         if cfg.include_eos:
             tok = AutoTokenizer.from_pretrained(path)
             eos = _eos_ids(tok, tconf)
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > int(vocab_size):
+        raise VocabError(
+            f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary "
+            f"({vocab_size} tokens); use at most {vocab_size}"
+        )
     counts = token_counts(data_path, int(vocab_size))
-    out = cfg.out or (data_path / VOCAB_STATS_FILE if manifest else None)
-    if out is None:
-        raise ValueError("give --out (the data is not a hidden-state cache directory)")
     meta = save_vocab_stats(
         out,
         counts,
@@ -448,7 +508,13 @@ def _eos_ids(tokenizer: Any, config: Any) -> list[int]:
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
     manifest = path / "manifest.json"
-    return json.loads(manifest.read_text()) if path.is_dir() and manifest.is_file() else None
+    if not (path.is_dir() and manifest.is_file()):
+        return None
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise TokenDataError(f"{manifest}: cannot read the cache manifest ({exc})") from exc
+    return data if isinstance(data, dict) else None
 
 
 def _open_any(path: Path) -> Any:
@@ -472,7 +538,7 @@ def _check_lengths(data: Any, start: int, ids_len: np.ndarray, mask_len: np.ndar
     bad = np.nonzero(ids_len != mask_len)[0]
     if bad.size:
         i = start + int(bad[0])
-        raise ValueError(
+        raise TokenDataError(
             f"sample {i}: input_ids has {int(ids_len[bad[0]])} tokens but loss_mask has "
             f"{int(mask_len[bad[0]])}"
         )
