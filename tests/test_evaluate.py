@@ -351,3 +351,46 @@ def test_hf_assisted_default_schedule_beside_adaptive_ours(tmp_path, tiny_target
     assert "mean_draft_length" in ours and "mean_draft_length" not in hf
     assert ours["identical_to_target"] is True and hf["identical_to_target"] is True
     assert hf["new_tokens"] == hf["target_forwards"] + hf["accepted_tokens"]
+
+
+def test_evaluate_bf16_reports_same_dtype_and_fastest_plain(tmp_path, tiny_target_dir):
+    code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "ngram",
+        "--dtype",
+        "bfloat16",
+        "--max-new-tokens",
+        16,
+        "--limit",
+        3,
+    )
+    assert code == 0
+    assert res["dtype"] == "bfloat16"
+    assert res["reference_plain"]["dtype"] == "float32"
+    assert all("reference_counters" in p for p in res["per_prompt"])
+    fastest = max(res["baseline_tokens_per_second"], res["reference_plain"]["tokens_per_second"])
+    assert res["fastest_plain_tokens_per_second"] == pytest.approx(fastest)
+    assert res["speedup_vs_fastest_plain"] == pytest.approx(res["tokens_per_second"] / fastest)
+    assert res["speedup_vs_fastest_plain"] <= res["speedup"] + 1e-9
+    assert 0.0 <= res["identical_rate"] <= 1.0
+    assert res["machine_load"]["before"]["cpu_count"] >= 1
+
+
+def test_divergence_measures_the_logit_gap(target):
+    import torch
+
+    from draftsmith.recipes.evaluate import NEAR_TIE_LOGIT_GAP, divergence
+
+    prompt = torch.tensor([1, 2, 3, 4])
+    logits = target(input_ids=prompt[None]).logits[0, -1]
+    best, second = torch.topk(logits, 2).indices.tolist()
+    worst = int(logits.argmin())
+    # Same first token, then the plain run takes the argmax and the other run a different token.
+    tie = divergence(target, prompt, [best], [second])
+    assert tie["position"] == 0 and tie["plain_token"] == best
+    assert tie["logit_gap"] == pytest.approx(float(logits[best] - logits[second]), abs=1e-5)
+    far = divergence(target, prompt, [best], [worst])
+    assert far["logit_gap"] > NEAR_TIE_LOGIT_GAP and not far["near_tie"]

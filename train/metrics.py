@@ -87,12 +87,12 @@ def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative deco
         "tok/s",
         "baseline tok/s",
         "speedup",
+        "vs fastest plain",
         "draft time",
         "identical",
     ):
         table.add_column(col, justify="left" if col in ("method", "α per position") else "right")
     for r in rows:
-        identical = r.get("identical_to_target")
         table.add_row(
             escape(str(r["method"])),  # method names may hold paths with "[...]" in them
             str(r["k"]),
@@ -103,7 +103,46 @@ def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative deco
             f"{r['tokens_per_second']:.1f}",
             f"{r['baseline_tokens_per_second']:.1f}" if "baseline_tokens_per_second" in r else "-",
             f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+            (
+                f"{r['speedup_vs_fastest_plain']:.2f}x ({r['fastest_plain_dtype']})"
+                if "speedup_vs_fastest_plain" in r
+                else "-"
+            ),
             f"{100 * r['draft_time_fraction']:.0f}%",
-            "-" if identical is None else ("yes" if identical else "NO"),
+            _identical_text(r),
         )
     return table
+
+
+def simulated_tau(accs: Sequence[float]) -> float:
+    """Acceptance length τ predicted from per-position top-1 accuracies, for chain drafting.
+
+    ``τ = 1 + Σ_{i<k} Π_{j<=i} a_j``: the target's own (bonus) token, plus draft position i
+    accepted when it and every earlier one are, each ``a_j`` taken as the conditional acceptance
+    rate of position j (SpecForge's ``simulated_acc_len``). Training validations report it
+    (``val/sim_tau``) from EAGLE's TTT step accuracies, Medusa's head accuracies or a draft LM's
+    greedy agreement; it assumes position j's accuracy does not depend on the earlier ones.
+
+    Args:
+        accs: ``[k]`` accuracies in [0, 1].
+
+    Returns:
+        τ in ``[1, k + 1]``; NaN when an accuracy is not finite.
+    """
+    tau, p = 1.0, 1.0
+    for a in accs:
+        p *= float(a)
+        tau += p
+    return tau
+
+
+def _identical_text(r: dict[str, Any]) -> str:
+    identical = r.get("identical_to_target")
+    if identical is None:
+        return "-"
+    if identical:
+        return "yes"
+    ties = r.get("near_ties") or []
+    if ties and all(t.get("near_tie") for t in ties):
+        return f"{100 * r.get('identical_rate', 0):.0f}% (near-ties)"
+    return "NO"

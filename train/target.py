@@ -178,6 +178,10 @@ def load_target(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/kernels.py).
+    from draftsmith.train.kernels import flatten_linear_inputs
+
+    flatten_linear_inputs(model)
     return model, tokenizer
 
 
