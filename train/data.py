@@ -1196,7 +1196,7 @@ def _main_tokenize(argv: list[str]) -> int:
     # Arrow stores int64 ids and int8 mask per token, plus offsets and the ids column.
     need = summary.tokens * 9 + summary.samples * 64 + (1 << 20)
     with (
-        output_lock(out, "tokenize output"),
+        output_lock(out, "tokenize run"),
         staged_dir(out, overwrite=True, need_bytes=need) as tmp,
     ):
         dataset.save_to_disk(str(tmp))

@@ -189,7 +189,11 @@ def _read_drafter(src: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
         )
     try:
         cfg = EagleConfig.from_dict(raw)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # any field of a foreign or hand-edited file may be wrong
+        raise ExportError(f"{src / CONFIG_FILE}: not a valid EAGLE drafter config: {exc}") from exc
+    try:
+        _expected_shapes(cfg)
+    except Exception as exc:
         raise ExportError(f"{src / CONFIG_FILE}: not a valid EAGLE drafter config: {exc}") from exc
     try:
         state = load_file(str(src / WEIGHTS_FILE))

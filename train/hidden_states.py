@@ -302,8 +302,16 @@ def _scan(
                 f"sample {sample}: token id {int(ids[pos])} is outside the target's vocabulary "
                 f"[0, {vocab_size}) -- was the data tokenized for another model?"
             )
-        if ((mask != 0) & (mask != 1)).any():
-            raise CacheError(f"samples from {chunk.start}: loss_mask values must be 0 or 1")
+        bad_mask = (mask != 0) & (mask != 1)
+        if bad_mask.any():
+            pos = int(np.argmax(bad_mask))
+            sample = chunk.start + int(np.searchsorted(np.cumsum(lens), pos, side="right"))
+            raise CacheError(
+                f"sample {sample}: loss_mask value {int(mask[pos])}; values must be 0 or 1"
+            )
+        if lens.size and lens.min() == 0:
+            # A forward over zero tokens fails deep inside the model; name the sample instead.
+            raise CacheError(f"sample {chunk.start + int(np.argmin(lens))}: no tokens")
         h_len.update(lens.astype("<i8").tobytes())
         h_ids.update(ids.astype("<i8").tobytes())
         h_mask.update(mask.astype(np.uint8).tobytes())

@@ -485,7 +485,7 @@ def self_distill(
         by_id[conv.id] = conv
 
     # One writer per output: two runs appending to one file would both write every record.
-    guard = output_lock(output, "distill output") if lock else contextlib.nullcontext()
+    guard = output_lock(output, "distill run") if lock else contextlib.nullcontext()
     with guard:
         # --- resume ----------------------------------------------------------------------------
         if overwrite:
@@ -812,7 +812,7 @@ def _main_distill(argv: list[str]) -> int:
         "target": cfg.target,
     }
     # Taken before the model load: a second run into this output is refused at once.
-    with output_lock(cfg.output, "distill output"):
+    with output_lock(cfg.output, "distill run"):
         # A resume with other settings fails here, before the model load (self_distill checks
         # the model, dtype and template too).
         meta_path = cfg.output.with_name(cfg.output.name + ".meta")

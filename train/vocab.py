@@ -111,6 +111,11 @@ def load_token_data(path: str | Path) -> Any:
             f"tokenized data not found: {path} (make it with `draftsmith data tokenize --input "
             f"<conversations> --output {path}`)"
         )
+    from datasets.utils import logging as ds_logging
+
+    # datasets logs its own multi-line ERROR for a bad JSON line; ours names the line instead.
+    verbosity = ds_logging.get_verbosity()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
     try:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -118,6 +123,8 @@ def load_token_data(path: str | Path) -> Any:
             ds = datasets.load_dataset("json", data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many types (FileNotFoundError, ArrowInvalid, ...)
         raise _unreadable(path, exc) from exc
+    finally:
+        ds_logging.set_verbosity(verbosity)
     if isinstance(ds, datasets.DatasetDict):
         if len(ds) != 1:
             raise TokenDataError(f"{path} holds splits {list(ds)}; point at one split's directory")
@@ -134,14 +141,32 @@ def load_token_data(path: str | Path) -> Any:
             raise TokenDataError(
                 f"{path}: column {name!r} must hold lists of integers, got {ds.features[name]}"
             )
+        row = _first_null_row(ds.data.column(name))
+        if row is not None:
+            raise TokenDataError(f"{path}: sample {row}: field {name!r} is missing or null")
     if len(ds) == 0:
         raise TokenDataError(f"{path}: the tokenized data holds no samples")
     return ds
 
 
+def _first_null_row(column: Any) -> int | None:
+    """The first row whose list is null, or holds a null (JSON Lines rows missing the field)."""
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        return int(pc.index(pc.is_null(column), True).as_py())
+    flat = pc.list_flatten(column)
+    if flat.null_count:
+        parents = pc.list_parent_indices(column)
+        return int(pc.filter(parents, pc.is_null(flat))[0].as_py())
+    return None
+
+
 def _unreadable(path: Path, exc: Exception) -> TokenDataError:
     """Name the first bad line of a JSONL file, else pass on the reader's own message."""
     if path.is_file():
+        if not path.read_bytes().strip():
+            return TokenDataError(f"{path}: the file is empty (no tokenized samples)")
         with open(path, "rb") as fh:
             for n, line in enumerate(fh, 1):
                 if not line.strip():
@@ -226,16 +251,21 @@ def token_counts(data: Any, vocab_size: int, max_length: int | None = None) -> t
     Raises:
         TokenDataError: If a token id is outside ``[0, V)`` (a ValueError).
     """
+    where = ""
     if isinstance(data, (str, Path)):
+        where = f"{data}: "
         data = _open_any(Path(data))
     counts = np.zeros(vocab_size, dtype=np.int64)
     for chunk in iter_token_chunks(data, max_length=max_length):
-        sup = chunk.input_ids[chunk.loss_mask == 1]
+        supervised = chunk.loss_mask == 1
+        sup = chunk.input_ids[supervised]
         if sup.size and (sup.min() < 0 or sup.max() >= vocab_size):
-            bad = int(sup.max() if sup.max() >= vocab_size else sup.min())
+            ids = chunk.input_ids
+            pos = int(np.argmax(supervised & ((ids < 0) | (ids >= vocab_size))))
+            sample = chunk.start + int(np.searchsorted(np.cumsum(chunk.lengths), pos, "right"))
             raise TokenDataError(
-                f"token id {bad} in samples {chunk.start}..{chunk.start + len(chunk.lengths) - 1} "
-                f"is outside the vocabulary [0, {vocab_size})"
+                f"{where}sample {sample}: token id {int(ids[pos])} is outside the vocabulary "
+                f"[0, {vocab_size}) -- was the data tokenized for another model?"
             )
         counts += np.bincount(sup, minlength=vocab_size)
     return torch.from_numpy(counts)
