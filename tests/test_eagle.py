@@ -387,6 +387,32 @@ def test_eagle3_loss_step_alignment(tgt):
     assert [int(m[f"tokens_{j}"]) for j in range(3)] == [1, 0, 0]
 
 
+def test_eagle3_labels_at_supervised_positions_only_change_nothing(tgt, data):
+    """Computing the target's distribution only where a step reads it gives the same loss,
+    metrics and gradients as computing it everywhere."""
+    d2t, t2d = _vocab(48)
+    drafter = build_drafter(tgt, _config(tgt, 3, 48), d2t, t2d, seed=0)
+    batch = dict(data)
+    batch["loss_mask"] = batch["loss_mask"].clone()
+    batch["loss_mask"][:, :5] = 0  # a prompt: unsupervised positions the fast path skips
+    results = []
+    for only in (True, False):
+        drafter.zero_grad()
+        loss, metrics = eagle3_ttt_loss(
+            drafter, batch, tgt.lm_head, steps=3, supervised_labels_only=only
+        )
+        loss.backward()
+        grads = [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+        results.append((loss.detach(), metrics, grads))
+    (la, ma, ga), (lb, mb, gb) = results
+    torch.testing.assert_close(la, lb)
+    assert ma.keys() == mb.keys()
+    for key in ma:
+        torch.testing.assert_close(ma[key], mb[key])
+    for a, b in zip(ga, gb, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def _metrics(tgt, drafter, data) -> dict:
     with torch.no_grad():
         if drafter.config.version == 1:
