@@ -600,6 +600,22 @@ def test_build_dataset_text_and_conversations_and_num_proc(tmp_path, chatml):
     )
 
 
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_build_dataset_with_nothing_to_train_on_says_why(tmp_path, chatml, num_proc):
+    """Prompts without answers used to give an empty dataset (and `data tokenize` exit 0)."""
+    path = write_jsonl(tmp_path / "p.jsonl", {"prompt": "hi"}, {"prompt": "yo"})
+    with pytest.raises(DataFileError) as info:
+        build_dataset(path, chatml, num_proc=num_proc)
+    assert str(info.value) == (
+        f"{path}: no sample left to train on (dropped: no assistant turn: 2); these records are "
+        "prompts without answers: answer them first with `draftsmith data distill --input "
+        "<file> --output <answers.jsonl>`, then use that output"
+    )
+    chat = write_jsonl(tmp_path / "c.jsonl", {"messages": CHAT})
+    with pytest.raises(DataFileError, match=r"no supervised token after truncation: 1.*max_length"):
+        build_dataset(chat, chatml, max_length=2)
+
+
 def test_template_error_names_the_record(tmp_path):
     tok = make_tokenizer("{{ raise_exception('no!') }}", CHATML_SPECIALS, eos="<|im_end|>")
     path = write_jsonl(tmp_path / "d.jsonl", {"messages": CHAT})

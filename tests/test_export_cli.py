@@ -60,8 +60,19 @@ def test_medusa_formats_round_trip(tmp_path, tiny, fmt):
             p.add_(0.05 * torch.randn_like(p))
     heads.save(tmp_path / "heads", extra={"target_name_or_path": str(target_dir)})
     out = tmp_path / fmt
-    assert _export("--format", fmt, "--checkpoint", tmp_path / "heads", "--out", out,
-                   "--target", target_dir) == 0  # fmt: skip
+    assert (
+        _export(
+            "--format",
+            fmt,
+            "--checkpoint",
+            tmp_path / "heads",
+            "--out",
+            out,
+            "--target",
+            target_dir,
+        )
+        == 0
+    )
     back = load_medusa_export(out)
     h = torch.randn(4, target.config.hidden_size)
     assert torch.equal(back(h), heads(h))
@@ -83,7 +94,18 @@ def test_hf_format_round_trip(tmp_path, tiny):
 
 
 def test_bad_arguments_are_named(tmp_path, capsys):
-    assert _export("--format", "speculators", "--checkpoint", tmp_path / "nope", "--out",
-                   tmp_path / "o", "--speculative-tokens", "0") == 2  # fmt: skip
+    assert (
+        _export(
+            "--format",
+            "speculators",
+            "--checkpoint",
+            tmp_path / "nope",
+            "--out",
+            tmp_path / "o",
+            "--speculative-tokens",
+            "0",
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "checkpoint" in err and "speculative_tokens" in err

@@ -303,19 +303,37 @@ def test_load_export_refuses_unknown_variants(tmp_path, tiny_target):
 
 def test_cli(tmp_path, tiny_target, capsys):
     src = _save(tmp_path, _drafter(tiny_target, 1))
-    assert ex.main_export_eagle(["--format", "eagle", "--src", str(src), "--out",
-                                 str(tmp_path / "e1")]) == 0  # fmt: skip
+    assert (
+        ex.main_export_eagle(
+            ["--format", "eagle", "--src", str(src), "--out", str(tmp_path / "e1")]
+        )
+        == 0
+    )
     assert (tmp_path / "e1" / "README.md").is_file()
     # Exists already, no --overwrite: a clear error, exit 2.
-    assert ex.main_export_eagle(["--format", "eagle", "--src", str(src), "--out",
-                                 str(tmp_path / "e1")]) == 2  # fmt: skip
+    assert (
+        ex.main_export_eagle(
+            ["--format", "eagle", "--src", str(src), "--out", str(tmp_path / "e1")]
+        )
+        == 2
+    )
     assert "exists" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # speculators needs --verifier
         ex.main_export_eagle(["--format", "speculators", "--src", str(src), "--out", "x"])
     # --checkpoint is the recipe docstring's name for --src.
     src3 = _save(tmp_path, _drafter(tiny_target, 3), name="src3")
-    args = ["--format", "speculators", "--checkpoint", str(src3), "--out", str(tmp_path / "s"),
-            "--verifier", "org/t", "--k", "4"]  # fmt: skip
+    args = [
+        "--format",
+        "speculators",
+        "--checkpoint",
+        str(src3),
+        "--out",
+        str(tmp_path / "s"),
+        "--verifier",
+        "org/t",
+        "--k",
+        "4",
+    ]
     assert ex.main_export_eagle(args) == 0
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4

@@ -31,7 +31,7 @@ from draftsmith.train.hidden_states import (
     feature_source,
     target_fingerprint,
 )
-from draftsmith.train.runinfo import output_lock, write_json_atomic
+from draftsmith.train.runinfo import clean_stale_dirs, output_lock, write_json_atomic
 from draftsmith.train.safety import DiskSpaceError, OutputLockedError
 from draftsmith.train.target import load_target
 from tests.conftest import tiny_llama, tiny_model_dir
@@ -274,6 +274,19 @@ def test_killed_export_leaves_no_temp_dir_after_the_next_one(tmp_path, target_di
     # ... but the dead one's is removed by it.
     assert _hidden(out.parent) == [live.name]
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_kill_between_the_final_renames_gets_the_old_export_back(tmp_path):
+    """replace_dir moves the old export aside, then renames the new one in; a writer killed in
+    between leaves only the aside copy, which the next run puts back before cleaning up."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "e"
+    aside = tmp_path / f".e.old-{dead.pid}@{socket.gethostname()}.q1w2e3"
+    (aside / "x").mkdir(parents=True)
+    (aside / "x" / "model.safetensors").write_text("old export")
+    assert clean_stale_dirs(out) == [aside]
+    assert (out / "model.safetensors").read_text() == "old export" and _hidden(tmp_path) == []
 
 
 def test_write_json_atomic_writes_no_bare_nan(tmp_path):

@@ -195,9 +195,16 @@ def test_disk_estimate_refusal(model, samples, tmp_path, monkeypatch):
 def test_manifest_mismatch_errors_name_field_and_both_values(model, samples, tmp_path):
     build(model, samples[:4], tmp_path / "c", template_fingerprint="tpl-A", target_hash="hash-A")
     cache = HiddenStateCache(tmp_path / "c")
-    cache.verify(layers=[4], target_hash="hash-A", template_fingerprint="tpl-A", hidden_size=32,
-                 dtype=torch.float32, vocab_size=64, num_layers=4,
-                 dataset_fingerprint=dataset_fingerprint(samples[:4]))  # fmt: skip
+    cache.verify(
+        layers=[4],
+        target_hash="hash-A",
+        template_fingerprint="tpl-A",
+        hidden_size=32,
+        dtype=torch.float32,
+        vocab_size=64,
+        num_layers=4,
+        dataset_fingerprint=dataset_fingerprint(samples[:4]),
+    )
     cases = {
         "target_hash": ("hash-B", "hash-A"),
         "template_fingerprint": ("tpl-B", "tpl-A"),
@@ -226,10 +233,20 @@ def test_manifest_mismatch_errors_name_field_and_both_values(model, samples, tmp
 
 
 def test_collate_pads_right_with_zeros():
-    a = {"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1]), "id": "a",
-         "index": 0, "hidden_states": {4: torch.ones(3, 2)}}  # fmt: skip
-    b = {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1]), "id": "b", "index": 1,
-         "hidden_states": {4: torch.full((1, 2), 2.0)}}  # fmt: skip
+    a = {
+        "input_ids": torch.tensor([5, 6, 7]),
+        "loss_mask": torch.tensor([0, 1, 1]),
+        "id": "a",
+        "index": 0,
+        "hidden_states": {4: torch.ones(3, 2)},
+    }
+    b = {
+        "input_ids": torch.tensor([8]),
+        "loss_mask": torch.tensor([1]),
+        "id": "b",
+        "index": 1,
+        "hidden_states": {4: torch.full((1, 2), 2.0)},
+    }
     batch = collate_hidden_states([a, b], pad_token_id=9)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 9]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -246,11 +263,18 @@ def test_online_and_offline_give_the_same_batches(model, samples, tmp_path, dtyp
     store = "fp32" if dtype is None else "bf16"
     build(model, samples, tmp_path / "c", dtype=store)
     data = datasets.Dataset.from_list(samples)
-    off = feature_source("offline", layers=[2, 4], cache=tmp_path / "c", dtype=dtype,
-                         expect={"dataset_fingerprint": dataset_fingerprint(data)})  # fmt: skip
+    off = feature_source(
+        "offline",
+        layers=[2, 4],
+        cache=tmp_path / "c",
+        dtype=dtype,
+        expect={"dataset_fingerprint": dataset_fingerprint(data)},
+    )
     on = feature_source("online", layers=[2, 4], data=data, target=model, dtype=dtype)
-    loaders = [torch.utils.data.DataLoader(s.dataset, batch_size=5, collate_fn=s.collate)
-               for s in (off, on)]  # fmt: skip
+    loaders = [
+        torch.utils.data.DataLoader(s.dataset, batch_size=5, collate_fn=s.collate)
+        for s in (off, on)
+    ]
     for b_off, b_on in zip(*loaders, strict=True):
         b_off, b_on = off.complete(b_off), on.complete(b_on)
         assert b_off.keys() == b_on.keys()
@@ -313,9 +337,21 @@ def test_cli_cache_and_vocab(tmp_path, capsys):
     model_dir = tiny_model_dir(tmp_path / "target")
     samples = make_samples(10, vocab=256)
     datasets.Dataset.from_list(samples).save_to_disk(str(tmp_path / "data"))
-    argv = ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "c"), "--target",
-            str(model_dir), "--preset", "eagle1", "--dtype", "bf16", "--draft-vocab-size", "16",
-            "--no-progress"]  # fmt: skip
+    argv = [
+        "--data",
+        str(tmp_path / "data"),
+        "--out",
+        str(tmp_path / "c"),
+        "--target",
+        str(model_dir),
+        "--preset",
+        "eagle1",
+        "--dtype",
+        "bf16",
+        "--draft-vocab-size",
+        "16",
+        "--no-progress",
+    ]
     assert main_cache(argv) == 0
     cache = HiddenStateCache(tmp_path / "c")
     m = cache.manifest
@@ -330,8 +366,15 @@ def test_cli_cache_and_vocab(tmp_path, capsys):
     assert torch.equal(tensors["d2t"], draft_vocab(tensors["counts"], 16, [eos])[0])
     # Standalone: recount from the cache's own shards into another file.
     out = tmp_path / "v.safetensors"
-    vargv = ["--data", str(tmp_path / "c"), "--out", str(out), "--draft-vocab-size", "8",
-             "--no-include-eos"]  # fmt: skip
+    vargv = [
+        "--data",
+        str(tmp_path / "c"),
+        "--out",
+        str(out),
+        "--draft-vocab-size",
+        "8",
+        "--no-include-eos",
+    ]
     assert main_vocab(vargv) == 0
     assert torch.equal(load_vocab_stats(out)[0]["counts"], tensors["counts"])
     # device_map (model parallelism for big targets; everything lands on the CPU here).
@@ -351,8 +394,9 @@ def test_make_plan_respects_batch_tokens():
     import numpy as np
 
     lengths = np.array([5, 40, 12, 12, 3, 40, 7, 200])
-    plan = hs_mod._make_plan(lengths, batch_tokens=64, max_batch_size=3, shard_bytes=100,
-                             bytes_per_token=1)  # fmt: skip
+    plan = hs_mod._make_plan(
+        lengths, batch_tokens=64, max_batch_size=3, shard_bytes=100, bytes_per_token=1
+    )
     batches = [b for shard in plan.shards for b in shard]
     assert sorted(i for b in batches for i in b) == list(range(8))
     assert batches[0] == [7]  # longest first, alone (longer than the budget)
@@ -374,12 +418,22 @@ def _launch(script: Path, *args: str) -> subprocess.CompletedProcess:
     accelerate = shutil.which("accelerate") or "accelerate"
     config = REPO / "recipes/accelerate/cpu_2proc.yaml"
     return subprocess.run(
-        [accelerate, "launch", "--config_file", str(config), "--main_process_port",
-         str(_free_port()), str(script), *args],
-        capture_output=True, text=True, timeout=300,
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(_free_port()),
+            str(script),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
         # PYTHONPATH: the scripts import the shared test fixtures (tests.conftest).
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    )
 
 
 RANK_SCRIPT = """
@@ -404,9 +458,25 @@ def test_two_cpu_processes_equal_one(tmp_path, monkeypatch):
             f.write(json.dumps(s) + "\n")
     script = tmp_path / "run.py"
     script.write_text(RANK_SCRIPT)
-    args = ["--data", str(tmp_path / "data.jsonl"), "--target", str(model_dir), "--layers", "1",
-            "3", "4", "--dtype", "fp32", "--batch-tokens", "128", "--shard-mb", "0.02",
-            "--no-progress", "--threads", "1"]  # fmt: skip
+    args = [
+        "--data",
+        str(tmp_path / "data.jsonl"),
+        "--target",
+        str(model_dir),
+        "--layers",
+        "1",
+        "3",
+        "4",
+        "--dtype",
+        "fp32",
+        "--batch-tokens",
+        "128",
+        "--shard-mb",
+        "0.02",
+        "--no-progress",
+        "--threads",
+        "1",
+    ]
     proc = _launch(script, "--out", str(tmp_path / "two"), *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = sorted(
@@ -426,8 +496,9 @@ def test_two_cpu_processes_equal_one(tmp_path, monkeypatch):
         a, b = one[i], two[i]
         assert torch.equal(a["input_ids"], b["input_ids"]) and a["id"] == b["id"]
         for layer in (1, 3, 4):
-            torch.testing.assert_close(a["hidden_states"][layer], b["hidden_states"][layer],
-                                       atol=1e-6, rtol=1e-6)  # fmt: skip
+            torch.testing.assert_close(
+                a["hidden_states"][layer], b["hidden_states"][layer], atol=1e-6, rtol=1e-6
+            )
     # Same plan, same thread count, same CPU: the files are byte-identical, not just close.
     assert files(tmp_path / "one") == files(tmp_path / "two")
 

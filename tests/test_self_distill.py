@@ -94,11 +94,15 @@ def test_batched_sampling_equals_unbatched_with_same_generators(model, tok):
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
     ref = [
         generate(
-            model, p, None, max_new_tokens=MAX_NEW, sampling=sampling,
+            model,
+            p,
+            None,
+            max_new_tokens=MAX_NEW,
+            sampling=sampling,
             generator=torch.Generator().manual_seed(100 + i),
         ).tokens
         for i, p in enumerate(prompts)
-    ]  # fmt: skip
+    ]
     gens = [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]
     out = generate_batch(model, prompts, max_new_tokens=MAX_NEW, sampling=sampling, generators=gens)
     assert [o.tokens for o in out] == ref
@@ -216,9 +220,14 @@ def test_multi_turn_regenerates_on_regenerated_history(tmp_path, model, tok):
 
     # turns="last": the original first answer stays in the history.
     self_distill(
-        model, tok, convs, tmp_path / "last.jsonl", max_new_tokens=MAX_NEW, turns="last",
+        model,
+        tok,
+        convs,
+        tmp_path / "last.jsonl",
+        max_new_tokens=MAX_NEW,
+        turns="last",
         progress=False,
-    )  # fmt: skip
+    )
     (last,) = [json.loads(x) for x in (tmp_path / "last.jsonl").read_text().splitlines()]
     assert last["messages"][2]["content"] == "OLD"
     ids = chat_token_ids(tok, row["messages"][:4], add_generation_prompt=True)
@@ -340,9 +349,20 @@ def test_main_distill_skips_heldout_and_resumes(tmp_path, tiny_target_dir, capsy
     src = write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows(12))
     out = tmp_path / "sd.jsonl"
     args = [
-        "--input", str(src), "--output", str(out), "--target", str(tiny_target_dir),
-        "--max-new-tokens", "4", "--batch-size", "4", "--no-progress", "--device", "cpu",
-    ]  # fmt: skip
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--target",
+        str(tiny_target_dir),
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "4",
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
     assert main_distill(args) == 0
     ids = sorted(json.loads(x)["id"] for x in out.read_text().splitlines())
     assert ids == [i for i in range(12) if i % 10 != 9]  # the held-out id 9 is never answered

@@ -54,9 +54,13 @@ def test_draft_vocab_always_include_forces_tokens():
 
 @pytest.mark.parametrize(
     ("n", "forced", "match"),
-    [(0, (), "in \\[1, 8\\]"), (9, (), "in \\[1, 8\\]"), (1, (1, 2), "more than N"),
-     (2, (8,), "outside")],
-)  # fmt: skip
+    [
+        (0, (), "in \\[1, 8\\]"),
+        (9, (), "in \\[1, 8\\]"),
+        (1, (1, 2), "more than N"),
+        (2, (8,), "outside"),
+    ],
+)
 def test_draft_vocab_errors(n, forced, match):
     with pytest.raises(ValueError, match=match):
         draft_vocab(torch.ones(8, dtype=torch.long), n, always_include=forced)

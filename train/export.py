@@ -104,9 +104,10 @@ class ExportConfig:
     )
     speculative_tokens: int = cfg_field(3, help="EAGLE: draft tokens per step to advertise")
     dtype: str | None = cfg_field(
-        None, help="cast weights: bf16, fp16 or fp32 (default: as trained)",
+        None,
+        help="cast weights: bf16, fp16 or fp32 (default: as trained)",
         choices=["bf16", "fp16", "fp32"],
-    )  # fmt: skip
+    )
     metrics_json: Path | None = cfg_field(
         None, help="EAGLE: an evaluation results JSON whose τ goes into the model card"
     )

@@ -292,8 +292,9 @@ def load_medusa_export(path: str | Path) -> MedusaHeads:
         state = {k.removeprefix("medusa_heads."): v for k, v in state.items()}
         K, L = int(config["num_heads"]), int(config["num_hidden_layers"])
         share = bool(config.get("original_lm_head", False))
-        heads = MedusaHeads(K, L, int(config["hidden_size"]), int(config["vocab_size"]),
-                            share_lm_head=share)  # fmt: skip
+        heads = MedusaHeads(
+            K, L, int(config["hidden_size"]), int(config["vocab_size"]), share_lm_head=share
+        )
         ours = dict(state)
         for h in range(K):
             for layer in range(L):

@@ -612,8 +612,9 @@ def feature_source(
         if data is None or target is None:
             raise ValueError("hidden_states: online needs the tokenized data and the target")
         online = OnlineHiddenStates(target, layers, dtype)
-        return FeatureSource("online", TokenDataset(data, max_length), collate, list(layers),
-                             target, dtype, online)  # fmt: skip
+        return FeatureSource(
+            "online", TokenDataset(data, max_length), collate, list(layers), target, dtype, online
+        )
     if mode == "offline":
         if cache is None:
             raise ValueError("hidden_states: offline needs the cache directory")
@@ -1048,8 +1049,15 @@ def _progress_bar(total: int, enabled: bool, state: Any) -> Any:
     desc = "hidden states" + (
         f" (rank 0 of {state.num_processes})" if state.num_processes > 1 else ""
     )
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not enabled,
-                dynamic_ncols=True, smoothing=0.1)  # fmt: skip
+    return tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=desc,
+        disable=not enabled,
+        dynamic_ncols=True,
+        smoothing=0.1,
+    )
 
 
 def _compute_shard(
@@ -1140,12 +1148,28 @@ def _prepare_out_dir(out: Path, plan_hash: str, num_shards: int, overwrite: bool
 
 
 def _finalize(
-    out: Path, data: Any, plan: _Plan, plan_hash: str, lengths: np.ndarray, layers: list[int],
-    dtype: str, hidden_size: int, num_layers: int, vocab_size: int, target: torch.nn.Module,
-    target_path: str | None, target_hash: str | None, template_fp: str | None, data_fp: str,
-    max_length: int | None, batch_tokens: int, max_batch_size: int, shard_mb: float,
-    draft_vocab_size: int | None, always_include: Sequence[int],
-) -> None:  # fmt: skip
+    out: Path,
+    data: Any,
+    plan: _Plan,
+    plan_hash: str,
+    lengths: np.ndarray,
+    layers: list[int],
+    dtype: str,
+    hidden_size: int,
+    num_layers: int,
+    vocab_size: int,
+    target: torch.nn.Module,
+    target_path: str | None,
+    target_hash: str | None,
+    template_fp: str | None,
+    data_fp: str,
+    max_length: int | None,
+    batch_tokens: int,
+    max_batch_size: int,
+    shard_mb: float,
+    draft_vocab_size: int | None,
+    always_include: Sequence[int],
+) -> None:
     """Rank 0, after every shard exists: index, ids, vocab stats, then the manifest."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -1166,28 +1190,39 @@ def _finalize(
         offset[idx] = offs[:-1]
         length[idx] = np.diff(offs)
         shards_meta.append(
-            {"file": path.name, "num_samples": len(idx), "num_tokens": int(offs[-1]),
-             "bytes": path.stat().st_size}
-        )  # fmt: skip
+            {
+                "file": path.name,
+                "num_samples": len(idx),
+                "num_tokens": int(offs[-1]),
+                "bytes": path.stat().st_size,
+            }
+        )
     if (shard_of < 0).any():
         raise CacheError(f"samples {np.nonzero(shard_of < 0)[0][:5].tolist()} are in no shard")
     if not np.array_equal(length, lengths):
         raise CacheError("shard contents disagree with the data's lengths (mixed caches?)")
     tmp = out / f".{INDEX_FILE}.tmp"
     save_file(
-        {"shard": torch.from_numpy(shard_of), "offset": torch.from_numpy(offset),
-         "length": torch.from_numpy(length)},
-        str(tmp), metadata={"plan": plan_hash},
-    )  # fmt: skip
+        {
+            "shard": torch.from_numpy(shard_of),
+            "offset": torch.from_numpy(offset),
+            "length": torch.from_numpy(length),
+        },
+        str(tmp),
+        metadata={"plan": plan_hash},
+    )
     tmp.chmod(0o644)
     tmp.replace(out / INDEX_FILE)
     ids = [r[2] for r in _fetch_ids(data)]
     _write_json(out / IDS_FILE, ids, indent=None)
     counts = token_counts(data, vocab_size, max_length=max_length)
     save_vocab_stats(
-        out / VOCAB_STATS_FILE, counts, n=draft_vocab_size, always_include=always_include,
+        out / VOCAB_STATS_FILE,
+        counts,
+        n=draft_vocab_size,
+        always_include=always_include,
         metadata={"dataset_fingerprint": data_fp},
-    )  # fmt: skip
+    )
     from importlib import metadata as im
 
     versions = {}
@@ -1245,8 +1280,10 @@ def _fetch_ids(data: Any) -> list[tuple[None, None, str]]:
         if "id" in data.column_names:
             return [(None, None, str(i if v is None else v)) for i, v in enumerate(data["id"])]
         return [(None, None, str(i)) for i in range(len(data))]
-    return [(None, None, str(r.get("id", i) if r.get("id") is not None else i))
-            for i, r in enumerate(data)]  # fmt: skip
+    return [
+        (None, None, str(r.get("id", i) if r.get("id") is not None else i))
+        for i, r in enumerate(data)
+    ]
 
 
 def _write_json(path: Path, obj: Any, indent: int | None) -> None:
@@ -1416,8 +1453,9 @@ class HiddenStateCache(torch.utils.data.Dataset):
         mismatches: list[tuple[str, Any, Any]] = []
         for key, want in expected.items():
             if key != "layers" and key not in found:
-                raise TypeError(f"verify() got an unknown field {key!r}; known: layers, "
-                                f"{', '.join(found)}")  # fmt: skip
+                raise TypeError(
+                    f"verify() got an unknown field {key!r}; known: layers, {', '.join(found)}"
+                )
             if want is None:
                 continue
             if key == "layers":
@@ -1452,8 +1490,10 @@ class _TokenView:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         h, off, n = self.cache._slice(int(i))
-        return {"input_ids": h.get_slice("input_ids")[off : off + n],
-                "loss_mask": h.get_slice("loss_mask")[off : off + n].long()}  # fmt: skip
+        return {
+            "input_ids": h.get_slice("input_ids")[off : off + n],
+            "loss_mask": h.get_slice("loss_mask")[off : off + n].long(),
+        }
 
 
 # --------------------------------------------------------------------------------------------
