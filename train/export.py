@@ -51,6 +51,13 @@ class ExportError(UsageError):
     """The checkpoint cannot be exported as asked: missing, inconsistent, or the wrong kind."""
 
 
+class MissingCheckpointError(ExportError, FileNotFoundError):
+    """The checkpoint, or a file it needs (weights, config, tokenizer), is not there.
+
+    Still a FileNotFoundError, as these errors were before they became usage errors.
+    """
+
+
 class NonFiniteError(RunError):
     """Weights hold NaN or inf; the message names each such tensor."""
 

@@ -71,7 +71,12 @@ import torch
 
 from draftsmith.heads.eagle import EagleConfig, EagleDrafter
 from draftsmith.train.errors import RunError, cli_main
-from draftsmith.train.export import ExportError, check_finite, tensor_bytes
+from draftsmith.train.export import (
+    ExportError,
+    MissingCheckpointError,
+    check_finite,
+    tensor_bytes,
+)
 from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
@@ -165,7 +170,7 @@ def _source_dir(src_dir: str | Path) -> Path:
     if not (src / CONFIG_FILE).is_file() and (src / "drafter" / CONFIG_FILE).is_file():
         src = src / "drafter"
     if not (src / CONFIG_FILE).is_file() or not (src / WEIGHTS_FILE).is_file():
-        raise ExportError(
+        raise MissingCheckpointError(
             f"{src_dir}: no saved EAGLE drafter here (need {CONFIG_FILE} and {WEIGHTS_FILE}, "
             "as written by draftsmith.heads.eagle.save_drafter)"
         )
@@ -638,8 +643,9 @@ def export_speculators(
         ``out_dir`` as a Path.
 
     Raises:
-        ExportError: no saved drafter at ``src_dir``, or it is EAGLE-1 (use
-            :func:`export_eagle`) or inconsistent (a ValueError).
+        MissingCheckpointError: no saved drafter at ``src_dir`` (a FileNotFoundError).
+        ExportError: the drafter is EAGLE-1 (use :func:`export_eagle`) or inconsistent (a
+            ValueError).
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
         NonFiniteError: a tensor holds NaN or inf (after the dtype cast).
         DiskSpaceError: the export does not fit on the disk.
@@ -848,7 +854,7 @@ def load_export(
     root = Path(path)
     for p in (root / CONFIG_FILE, root / WEIGHTS_FILE):
         if not p.is_file():
-            raise ExportError(f"EAGLE export: {p} not found")
+            raise MissingCheckpointError(f"EAGLE export: {p} not found")
     raw = json.loads((root / CONFIG_FILE).read_text())
     fmt = export_format(raw)
     cfg = _config_from_export(fmt, raw, target.config)

@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith.train.errors import RunError, cli_main
-from draftsmith.train.export import ExportError, check_finite, tensor_bytes
+from draftsmith.train.export import (
+    ExportError,
+    MissingCheckpointError,
+    check_finite,
+    tensor_bytes,
+)
 from draftsmith.train.runinfo import OutputExistsError, json_text, staged_dir
 
 if TYPE_CHECKING:
@@ -198,8 +203,9 @@ def export_hf(
         ``out_dir`` as a Path.
 
     Raises:
-        ExportError: no model (``config.json``) or no tokenizer was found, or the tokenizer has
-            more tokens than the model has output rows.
+        MissingCheckpointError: no model (``config.json``) or no tokenizer was found (an
+            ExportError and a FileNotFoundError).
+        ExportError: the tokenizer has more tokens than the model has output rows.
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
         NonFiniteError: a weight holds NaN or inf.
         RunError: the reloaded export's logits differ from the source's.
@@ -210,7 +216,7 @@ def export_hf(
     if not (src / "config.json").is_file() and (src / "draft" / "config.json").is_file():
         src = src / "draft"  # the recipe's output_dir
     if not (src / "config.json").is_file():
-        raise ExportError(
+        raise MissingCheckpointError(
             f"{src_dir}: no draft model here (no config.json); pass the output_dir of "
             "`draftsmith train distill` or its draft/ directory"
         )
@@ -222,7 +228,9 @@ def export_hf(
         tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     except Exception as exc:
         hint = "" if tokenizer_src else " (pass tokenizer_src / --tokenizer, e.g. the target dir)"
-        raise ExportError(f"cannot load a tokenizer from {tok_dir}: {exc}{hint}") from exc
+        raise MissingCheckpointError(
+            f"cannot load a tokenizer from {tok_dir}: {exc}{hint}"
+        ) from exc
     try:
         model = AutoModelForCausalLM.from_pretrained(src).eval()
     except Exception as exc:  # missing/damaged weights, an unknown architecture

@@ -38,7 +38,12 @@ from typing import Any
 import torch
 
 from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, MedusaHeads, load_medusa
-from draftsmith.train.export import ExportError, check_finite, tensor_bytes
+from draftsmith.train.export import (
+    ExportError,
+    MissingCheckpointError,
+    check_finite,
+    tensor_bytes,
+)
 from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
@@ -75,7 +80,8 @@ def _load_heads(src_dir: Path) -> tuple[Path, MedusaHeads, dict[str, Any]]:
         heads = load_medusa(src_dir)
         src_config = json.loads((src_dir / "config.json").read_text())
     except Exception as exc:  # missing files, a foreign config, damaged safetensors
-        raise ExportError(
+        kind = MissingCheckpointError if isinstance(exc, FileNotFoundError) else ExportError
+        raise kind(
             f"{src_dir}: no Medusa heads saved by `draftsmith train medusa` here ({exc}); pass "
             "the run's output_dir or its heads/ directory"
         ) from exc
