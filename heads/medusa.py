@@ -213,8 +213,9 @@ class MedusaHeads(nn.Module):
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        _check_finite(tensors, "heads to save")
+        path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         config = {"format": FORMAT, "version": FORMAT_VERSION, **self.config(), **(extra or {})}
         config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
@@ -243,6 +244,7 @@ def load_medusa(path: str | Path, *, device: str | torch.device = "cpu") -> Medu
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} not found")
     state = load_file(str(weights), device=str(device))
+    _check_finite(state, str(weights))
     heads = MedusaHeads(
         config["num_heads"],
         config["num_layers"],
@@ -253,6 +255,13 @@ def load_medusa(path: str | Path, *, device: str | torch.device = "cpu") -> Medu
     heads.load_state_dict(state)
     dtype = next(iter(state.values())).dtype
     return heads.to(device=device, dtype=dtype).eval()
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse NaN/inf weights: a NaN head ranks every token first and "validates" at top-1 = 1."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{what}: tensor {name} holds NaN or inf (a diverged run?)")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

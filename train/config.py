@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import types
 from collections.abc import Mapping, Sequence
@@ -64,21 +65,69 @@ def cfg_field(
     help: str,
     default_factory: Any = MISSING,
     choices: Sequence | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> Any:
-    """A ``dataclasses.field`` carrying help text and optional allowed values.
+    """A ``dataclasses.field`` carrying help text, optional allowed values and a range.
 
-    A list/dict/set ``default`` is turned into a copying ``default_factory``.
+    A list/dict/set ``default`` is turned into a copying ``default_factory``. The range bounds
+    apply to a number (or each item of a list of numbers; ``None`` is always allowed) and are
+    checked by the loader, so ``validate()`` keeps only the checks that involve several fields.
+    Every float field must also be finite: ``nan`` or ``inf`` never passes (a NaN learning rate
+    would train a NaN model to the end).
 
     Args:
         default: The default value; omit (with no factory) to make the field required.
         help: One line for ``--help``.
         default_factory: Zero-argument callable producing the default.
         choices: If given, the value (or each item of a list value) must be one of these.
+        ge: The value must be ``>= ge``.
+        gt: The value must be ``> gt``.
+        le: The value must be ``<= le``.
+        lt: The value must be ``< lt``.
     """
     if isinstance(default, (list, dict, set)):
         default, default_factory = MISSING, functools.partial(copy.deepcopy, default)
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None}
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    metadata = {
+        "help": help,
+        "choices": tuple(choices) if choices is not None else None,
+        "bounds": bounds,
+    }
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+_BOUND_TEXT = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+_BOUND_OK = {
+    "ge": lambda v, b: v >= b,
+    "gt": lambda v, b: v > b,
+    "le": lambda v, b: v <= b,
+    "lt": lambda v, b: v < b,
+}
+
+
+def _range_problem(value: Any, bounds: Mapping[str, float]) -> str | None:
+    """Why ``value`` (a number, a list of numbers or None) is out of range, or None if it is not."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            continue
+        if isinstance(item, float) and not math.isfinite(item):
+            return f"must be a finite number, got {item}"
+        failed = [k for k, b in bounds.items() if not _BOUND_OK[k](item, b)]
+        if failed:
+            if len(bounds) == 1:
+                return f"must be {_BOUND_TEXT[failed[0]]} {bounds[failed[0]]}, got {item}"
+            low = next((k for k in ("ge", "gt") if k in bounds), None)
+            high = next((k for k in ("le", "lt") if k in bounds), None)
+            left = "[" if low == "ge" else "("
+            right = "]" if high == "le" else ")"
+            lo = bounds[low] if low else "-inf"
+            hi = bounds[high] if high else "inf"
+            return f"must be in {left}{lo}, {hi}{right}, got {item}"
+    return None
 
 
 def _describe(value: Any) -> str:
@@ -209,6 +258,10 @@ def _build(cls: type, layers: list[tuple[Mapping, bool]], prefix: str, problems:
             if bad:
                 problems.append((path, f"must be one of {list(choices)}, got {bad[0]!r}"))
                 del kwargs[name]
+        if name in kwargs:
+            problem = _range_problem(kwargs[name], f.metadata.get("bounds") or {})
+            if problem is not None:
+                problems.append((path, problem))
         if name not in kwargs and _default_of(f) is MISSING:
             complete = False
             if not any(p == path for p, _ in problems):

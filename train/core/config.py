@@ -1,0 +1,105 @@
+"""The fields every training recipe shares, with their ranges (one name and meaning per value).
+
+A recipe's config subclasses :class:`TrainConfig` and adds its own fields; it may redeclare a
+shared field to change its default (``output_dir``, ``lr``, ...). Ranges are declared on the
+fields (``cfg_field(ge=...)``) and checked by the config loader together with finiteness of
+every float, so a recipe's ``validate()`` only holds checks across fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.train.config import cfg_field
+
+
+@dataclass
+class TrainConfig:
+    """Settings shared by every training recipe (optimisation, schedule, checkpoints, logging)."""
+
+    # --- target ---
+    target: str | None = cfg_field(
+        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+    )
+    cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
+    # --- optimisation ---
+    epochs: float = cfg_field(1.0, help="passes over the training data (fractions allowed)", gt=0)
+    max_steps: int | None = cfg_field(
+        None, help="optimizer steps (overrides epochs; sets the LR schedule length)", ge=1
+    )
+    batch_size: int = cfg_field(4, help="samples per process per micro-batch", ge=1)
+    grad_accum: int = cfg_field(1, help="micro-batches per optimizer step", ge=1)
+    lr: float = cfg_field(5e-4, help="peak learning rate (AdamW)", gt=0)
+    weight_decay: float = cfg_field(0.0, help="AdamW weight decay", ge=0)
+    warmup_ratio: float = cfg_field(0.03, help="fraction of steps of linear warm-up", ge=0, lt=1)
+    max_grad_norm: float = cfg_field(1.0, help="gradient clipping norm (0 = off)", ge=0)
+    mixed_precision: str = cfg_field(
+        "no",
+        help="no, bf16 or fp16 (accelerate; where the device supports it)",
+        choices=["no", "bf16", "fp16"],
+    )
+    seed: int = cfg_field(0, help="random seed (split, data order, initialisation)")
+    on_nonfinite: str = cfg_field(
+        "stop",
+        help="a non-finite loss or gradient norm: stop (exit 1, last good checkpoint kept) or "
+        "skip that optimizer step (counted and logged)",
+        choices=["stop", "skip"],
+    )
+    # --- data ---
+    val_samples: int = cfg_field(
+        32, help="training records held back for validation (0 = none)", ge=0
+    )
+    min_train_samples: int = cfg_field(
+        8, help="refuse to train on fewer samples than this (see allow_little_data)", ge=1
+    )
+    allow_little_data: bool = cfg_field(
+        False,
+        help="train even when most records were dropped or fewer than min_train_samples remain",
+    )
+    # --- time ---
+    max_minutes: float | None = cfg_field(
+        None,
+        help="time budget from the start of the run (loading included): the first optimizer "
+        "step past it ends training (checkpoint, final save); the schedule is unchanged",
+        gt=0,
+    )
+    stop_after_steps: int | None = cfg_field(
+        None,
+        help="pause after N optimizer steps of this invocation (checkpoint; resume later)",
+        ge=1,
+    )
+    # --- validation, checkpoints, output ---
+    eval_every: int = cfg_field(
+        100, help="validate every N optimizer steps, and at the end (0 = at the end only)", ge=0
+    )
+    save_every: int = cfg_field(
+        200, help="save a resumable checkpoint every N optimizer steps (0 = never)", ge=0
+    )
+    keep_checkpoints: int = cfg_field(
+        2, help="newest checkpoints kept (the best-validation one is kept too)", ge=1
+    )
+    resume: bool = cfg_field(True, help="continue from the newest checkpoint in output_dir")
+    overwrite: bool = cfg_field(
+        False, help="with resume off: start over even if output_dir holds a run (deletes it)"
+    )
+    output_dir: Path = cfg_field(Path("runs/run"), help="checkpoints, the drafter, metrics")
+    # --- processes, logging ---
+    threads: int | None = cfg_field(None, help="torch CPU threads per process", ge=1)
+    pg_timeout_minutes: float = cfg_field(
+        10.0,
+        help="multi-process: a collective waiting longer than this (a stuck or stopped rank) "
+        "ends the run with a message",
+        gt=0,
+    )
+    log_every: int = cfg_field(10, help="log training metrics every N optimizer steps", ge=1)
+    report_to: str = cfg_field("none", help="experiment tracker", choices=["none", "wandb"])
+    wandb_project: str = cfg_field("draftsmith", help="W&B project")
+    progress: bool = cfg_field(True, help="show a progress bar (off: one log line per log_every)")
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Checks across the shared fields; recipes extend the list with their own."""
+        problems = []
+        if self.resume and self.overwrite:
+            problems.append(("overwrite", "give resume or overwrite, not both (--no-resume)"))
+        return problems

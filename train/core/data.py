@@ -1,0 +1,215 @@
+"""Data helpers every recipe shares: the split, the data position, EOS ids, the data checks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.train.errors import UsageError
+
+# The command that turns prompts into training data (the answers the target gives).
+DISTILL_HINT = "draftsmith data distill --input <prompts.jsonl> --output <data.jsonl>"
+
+
+def _is_tokenized(path: Path) -> bool:
+    """A ``save_to_disk`` directory, or a JSON Lines file whose records carry ``input_ids``."""
+    if path.is_dir():
+        return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+    if path.suffix in (".jsonl", ".json") and path.is_file():
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        return "input_ids" in json.loads(line)
+                    except (json.JSONDecodeError, TypeError):
+                        return False
+    return False
+
+
+def load_samples(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    split: str | None,
+    limit: int | None = None,
+) -> tuple[Any, Any]:
+    """The training samples as a ``datasets.Dataset`` (``input_ids``, ``loss_mask``, ``id``).
+
+    ``path`` holds conversations (tokenized here with the target's chat template, see
+    :func:`draftsmith.train.data.build_dataset`) or samples already tokenized by ``draftsmith
+    data tokenize`` (a ``save_to_disk`` dir, or JSONL with ``input_ids``; used as they are,
+    truncated to ``max_length``, samples without a supervised token dropped).
+
+    Args:
+        path: the data file or directory.
+        tokenizer: the target's tokenizer.
+        max_length: truncate samples to this many tokens.
+        split: keep only records of this split (conversations; ``None``/``"all"``: every one).
+        limit: keep the first N samples only.
+
+    Returns:
+        ``(dataset, summary)``; ``summary`` is the tokenization's ``DataSummary`` (what was
+        dropped and why), None for tokenized data.
+    """
+    from draftsmith.train.data import build_dataset
+    from draftsmith.train.vocab import load_token_data
+
+    path = Path(path)
+    summary = None
+    if _is_tokenized(path):
+        try:
+            dataset = load_token_data(path)
+        except ValueError as exc:
+            raise UsageError(f"data: {exc}") from exc
+        # keep_in_memory: no cache files written into the user's dataset directory.
+        dataset = dataset.map(
+            lambda row: {k: row[k][:max_length] for k in ("input_ids", "loss_mask")},
+            keep_in_memory=True,
+        ).filter(lambda row: sum(row["loss_mask"][1:]) > 0, keep_in_memory=True)
+    else:
+        split = None if split == "all" else split
+        dataset, summary = build_dataset(path, tokenizer, max_length=max_length, split=split)
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    return dataset, summary
+
+
+def split_indices(n: int, val_samples: int, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded split of ``n`` sample indices into ``(train, validation)``, both sorted.
+
+    The same permutation in every process and on every resume, so a resumed run validates on
+    the same samples and never trains on them. At least one sample is left to train on.
+    """
+    n_val = min(val_samples, max(0, n - 1))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def total_steps(
+    max_steps: int | None, epochs: float, batches_per_epoch: int, grad_accum: int
+) -> int:
+    """Optimizer steps of the run: ``max_steps``, or ``epochs`` passes of the loader.
+
+    accelerate makes an optimizer step at the end of every epoch even when the epoch's
+    micro-batches are not a multiple of ``grad_accum`` (the last, shorter accumulation), so an
+    epoch has ``ceil(batches / grad_accum)`` steps and no batch is left out.
+    """
+    per_epoch = max(1, math.ceil(batches_per_epoch / grad_accum))
+    return max_steps or max(1, math.ceil(epochs * per_epoch))
+
+
+@dataclass
+class DataPosition:
+    """Where the loop stands in the data: epoch and micro-batches of it consumed (per process).
+
+    Saved in every checkpoint; a resumed run skips exactly the consumed batches of that epoch
+    (the seeded sampler gives each epoch the same order again), so no sample is skipped or seen
+    twice whatever ``grad_accum``, batch size or epoch length.
+    """
+
+    epoch: int = 0
+    batches: int = 0
+
+    def batches_of_epoch(self, accelerator: Any, loader: Any) -> Iterator[Any]:
+        """Yield the rest of the current epoch's batches, counting them; then the next epoch.
+
+        Args:
+            accelerator: the run's ``Accelerator``.
+            loader: the prepared training ``DataLoader`` (seedable sampler).
+        """
+        if self.batches >= len(loader):  # the checkpoint was taken at an epoch's last batch
+            self.epoch, self.batches = self.epoch + 1, 0
+        loader.set_epoch(self.epoch)
+        batches = accelerator.skip_first_batches(loader, self.batches) if self.batches else loader
+        for batch in batches:
+            self.batches += 1
+            yield batch
+        self.epoch, self.batches = self.epoch + 1, 0
+
+
+def eos_ids(tokenizer: Any, model: Any) -> list[int]:
+    """Every id that ends a turn: the tokenizer's EOS and the model's generation-config EOS ids."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(eos) if isinstance(eos, (list, tuple, set)) else {eos}
+    return sorted(i for i in ids if i is not None)
+
+
+def check_enough_data(
+    n_samples: int,
+    n_train: int,
+    *,
+    source: str,
+    summary: Any = None,
+    min_train_samples: int,
+    allow: bool,
+) -> None:
+    """Refuse data that leaves too little to train on, saying what was dropped and why.
+
+    Args:
+        n_samples: samples with a supervised token (before the validation split).
+        n_train: samples left to train on after the split.
+        source: the data file or cache (named in the message).
+        summary: the :class:`~draftsmith.train.data.DataSummary` of the tokenization, if any
+            (its ``dropped`` counts say why records were left out).
+        min_train_samples: fewer training samples than this are refused.
+        allow: the user's ``allow_little_data``: only an empty data set is refused.
+
+    Raises:
+        UsageError: no supervised sample at all, or (unless ``allow``) most records dropped or
+            fewer than ``min_train_samples`` to train on.
+    """
+    dropped = dict(getattr(summary, "dropped", None) or {})
+    n_dropped = sum(dropped.values())
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(dropped.items(), key=lambda x: -x[1]))
+    prompts_only = any("assistant" in reason for reason in dropped)
+    hint = (
+        f"; records without answers are prompts, not training data: make training data with "
+        f"`{DISTILL_HINT}`"
+        if prompts_only or n_samples == 0
+        else ""
+    )
+    if n_samples == 0:
+        detail = f" ({n_dropped} records dropped: {why})" if n_dropped else ""
+        raise UsageError(f"data: {source} has no sample with a supervised token{detail}{hint}")
+    if allow:
+        return
+    mostly_dropped = n_dropped > n_samples
+    if mostly_dropped or n_train < min_train_samples:
+        what = (
+            f"{n_dropped} of {n_samples + n_dropped} records dropped ({why}), " if n_dropped else ""
+        )
+        raise UsageError(
+            f"data: {source}: {what}{n_train} samples left to train on (min_train_samples "
+            f"{min_train_samples}){hint}; set allow_little_data: true (--allow-little-data) to "
+            "train anyway"
+        )
+
+
+@contextlib.contextmanager
+def input_errors() -> Iterator[None]:
+    """Turn the errors of reading a run's inputs into :class:`UsageError` (one line, exit 2).
+
+    The loaders name the file, record or field in their messages (a missing or malformed data
+    file, a chat-template problem, a target that cannot be loaded, a cache that does not match);
+    they are the user's to fix, not a bug to show a traceback for.
+    """
+    from draftsmith.train.data import DataFileError, TemplateError
+    from draftsmith.train.errors import RunError
+    from draftsmith.train.hidden_states import CacheError
+    from draftsmith.train.target import TargetError
+
+    try:
+        yield
+    except (UsageError, RunError):
+        raise
+    except (DataFileError, TemplateError, TargetError, CacheError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from exc

@@ -1,0 +1,476 @@
+"""One training run's plumbing, the same for every recipe: :class:`TrainRun`.
+
+A recipe builds its target, drafter, data and optimizer and writes its own loop; the run object
+holds what the loop shares with every other recipe::
+
+    with TrainRun(cfg, recipe="eagle", kind="eagle3", outputs=["drafter"]) as run:
+        accelerator = run.accelerator
+        ...                                   # target, data, drafter, optimizer, prepare
+        run.resume()                          # newest good checkpoint -> run.state, run.position
+        step = run.state.step
+        while not run.finished(step, total):
+            for batch in run.position.batches_of_epoch(accelerator, loader):
+                with accelerator.accumulate(model):
+                    loss = ...
+                    accelerator.backward(loss)
+                run.watch(loss)
+                if not accelerator.sync_gradients:
+                    continue
+                grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+                if run.step_ok(step + 1, grad_norm):   # all ranks agree; NaN: raise or skip
+                    optimizer.step(); scheduler.step()
+                optimizer.zero_grad()
+                ...
+                if run.finished(step, total): break
+        run.save_checkpoint(step)                 # and the recipe's final outputs
+
+Leaving the ``with`` block tears the processes down (barrier, ``destroy_process_group``),
+restores the signal handlers and releases the output lock, also after an error.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.train import safety
+from draftsmith.train.config import config_to_dict, dump_config
+from draftsmith.train.core import checkpoint as ckpt
+from draftsmith.train.core.config import TrainConfig
+from draftsmith.train.core.data import DataPosition
+from draftsmith.train.core.dist import any_rank, keep_alive, start_processes, teardown
+from draftsmith.train.core.stop import NonFiniteError, StopSignals, is_finite
+from draftsmith.train.errors import RunError, UsageError
+from draftsmith.train.runinfo import finite_json
+
+BEST = "best"
+
+
+class TrainRun:
+    """Process group, accelerator, output ownership, resume, stop verdicts, best drafter.
+
+    Args:
+        cfg: the recipe's config (a :class:`TrainConfig`).
+        recipe: ``eagle``, ``medusa`` or ``distill`` (recorded in checkpoints).
+        kind: the variant (``eagle3``, ``medusa1``, ...); checkpoints of another kind are refused.
+        outputs: the recipe's final outputs under ``output_dir`` (deleted by ``overwrite``, and
+            their presence means the dir holds a run).
+        find_unused_parameters: DDP option (Medusa-2's warm-up leaves the adapters unused).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        recipe: str,
+        kind: str,
+        outputs: Sequence[str],
+        find_unused_parameters: bool = False,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import (
+            DataLoaderConfiguration,
+            DistributedDataParallelKwargs,
+            ProjectConfiguration,
+            set_seed,
+        )
+
+        self.started = time.monotonic()
+        self.cfg = cfg
+        self.recipe, self.kind = recipe, kind
+        self.out = Path(cfg.output_dir)
+        self.outputs = [*outputs, ckpt.CHECKPOINTS, BEST]
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        # The process group first, with the configured timeout (the Accelerator reuses it).
+        state = start_processes(cfg.pg_timeout_minutes)
+        self.accelerator = Accelerator(
+            cpu=state.device.type == "cpu",
+            gradient_accumulation_steps=cfg.grad_accum,
+            mixed_precision=cfg.mixed_precision,
+            log_with="wandb" if cfg.report_to == "wandb" else None,
+            project_config=ProjectConfiguration(project_dir=str(self.out)),
+            # Seeded sampler: a resumed run sees the same order of batches as an unbroken one.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            kwargs_handlers=[
+                DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
+            ],
+        )
+        set_seed(cfg.seed)
+        self.is_main = self.accelerator.is_main_process
+        self.multi = self.accelerator.num_processes > 1
+        self.say = self.accelerator.print
+        self.state = ckpt.TrainerState(recipe, kind, num_processes=self.accelerator.num_processes)
+        self.position = DataPosition()
+        self.resumed_from: int | None = None
+        self.stop_reason: str | None = None
+        self.signals = StopSignals()
+        self._lock: safety.OutputLock | None = None
+        self._bad_loss = False
+        self._invocation_start = 0
+        self._saved: tuple[int, int] | None = None  # (step, validations) of the last save
+        self._prepared: list[Any] = []
+
+    # --- setup and teardown -----------------------------------------------------------------
+
+    def __enter__(self) -> TrainRun:
+        try:
+            self.on_main(self._claim_output, "claiming the output directory")
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, None)
+            raise
+        self.signals.install()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.signals.restore()
+        ok = exc is None
+        if self.multi:
+            keep_alive(self._prepared)  # DDP wrappers must outlive the process (see dist.py)
+        try:
+            if ok:
+                self.accelerator.end_training()
+            teardown(self.accelerator, ok)
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+        if exc is not None and self.multi and _collective_failed(exc):
+            raise RunError(
+                f"another process of this run stopped answering or died ({exc}); a collective "
+                f"waits at most pg_timeout_minutes ({self.cfg.pg_timeout_minutes:g})"
+            ) from exc
+
+    def _claim_output(self) -> None:
+        """Lock ``output_dir``; refuse to start over a run in it unless ``overwrite``."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._lock = safety.OutputLock(self.out, what="training run").acquire()
+        checkpoints = ckpt.finished_checkpoints(self.out)
+        outputs = [n for n in self.outputs if (self.out / n).exists()]
+        if self.cfg.overwrite:
+            for name in outputs:
+                target = self.out / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            return
+        if outputs and not (self.cfg.resume and checkpoints):
+            why = "resume is off" if not self.cfg.resume else "it has no checkpoint to resume"
+            raise UsageError(
+                f"{self.out} already holds a {self.recipe} run ({', '.join(outputs)}) and "
+                f"{why}: set resume to continue it, choose another output_dir, or pass "
+                "--no-resume --overwrite to start over (deletes it)"
+            )
+
+    def on_main(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on the main process; if it fails, every process raises (none hangs)."""
+        error: BaseException | None = None
+        result = None
+        if self.is_main:
+            try:
+                result = fn()
+            except Exception as exc:
+                error = exc
+        if any_rank([error is not None], self.accelerator.device)[0]:
+            if error is not None:
+                raise error
+            raise RunError(f"{what} failed in the main process (see its message)")
+        return result
+
+    def prepare(self, *objects: Any) -> Any:
+        """``accelerator.prepare``, remembering the wrapped objects (DDP models) for teardown."""
+        prepared = self.accelerator.prepare(*objects)
+        self._prepared.append(prepared)
+        return prepared
+
+    def init_trackers(self, name: str, job_type: str) -> None:
+        """W&B (when ``report_to: wandb``); offline without an API key (``wandb sync`` later)."""
+        if self.cfg.report_to != "wandb":
+            return
+        from draftsmith.train.runinfo import wandb_mode
+
+        self.accelerator.init_trackers(
+            self.cfg.wandb_project,
+            config=config_to_dict(self.cfg),
+            init_kwargs={
+                "wandb": {
+                    "name": name,
+                    "job_type": job_type,
+                    "dir": str(self.out),
+                    "mode": wandb_mode(),
+                }
+            },
+        )
+
+    def dump_config(self, name: str = "train_config.yaml") -> None:
+        if self.is_main:
+            dump_config(self.cfg, self.out / name)
+
+    # --- resume, checkpoints ----------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Load the newest good checkpoint (if resuming): state, data position, RNG, tensors."""
+        found = None
+        if self.cfg.resume:
+            found = ckpt.load_latest(
+                self.accelerator, self.out, recipe=self.recipe, kind=self.kind, say=self.say
+            )
+        if found is not None:
+            self.state, path = found
+            self.position = DataPosition(self.state.epoch, self.state.batches)
+            self.resumed_from = self.state.step
+            self.say(
+                f"resumed from {path} (step {self.state.step}, epoch "
+                f"{self.state.epoch}, batch {self.state.batches})"
+            )
+        self._invocation_start = self.state.step
+        if self.resumed_from is not None:
+            self._saved = (self.state.step, len(self.state.validation))
+
+    def save_checkpoint(self, step: int) -> Path | None:
+        """Checkpoint at ``step`` (all processes).
+
+        Skipped when this step is already saved with the same history; rewritten (temp dir +
+        rename) when a validation was added since, so the final state is what resumes.
+        """
+        if self._saved == (step, len(self.state.validation)):
+            return None
+        self.state.step = step
+        self.state.epoch, self.state.batches = self.position.epoch, self.position.batches
+        path = ckpt.save_checkpoint(
+            self.accelerator, self.out, self.state, self.cfg.keep_checkpoints
+        )
+        self._saved = (step, len(self.state.validation))
+        return path
+
+    def save_due(self, step: int) -> bool:
+        return bool(self.cfg.save_every) and step % self.cfg.save_every == 0
+
+    def eval_due(self, step: int, total: int) -> bool:
+        """Validate every ``eval_every`` steps and at the last step (``eval_every: 0``: only then)."""
+        every = self.cfg.eval_every
+        return step >= total or (bool(every) and step % every == 0)
+
+    def validated(self, step: int) -> bool:
+        return bool(self.state.validation) and self.state.validation[-1]["step"] == step
+
+    # --- the per-step verdict ---------------------------------------------------------------
+
+    def watch(self, loss: torch.Tensor) -> None:
+        """Note a micro-batch's loss; a non-finite one fails this optimizer step's check."""
+        self._bad_loss = self._bad_loss or not is_finite(loss)
+
+    def step_ok(self, next_step: int, grad_norm: torch.Tensor | float | None) -> bool:
+        """Agree over all processes whether optimizer step ``next_step`` may be applied.
+
+        One all-reduce carries every process's votes: a stop signal, the time budget (rank 0's
+        clock decides, so all ranks stop at the same step) and a non-finite loss or gradient
+        norm. With ``on_nonfinite: stop`` a non-finite step raises; with ``skip`` it returns
+        False (the caller zeroes the gradients and goes on) and is counted.
+
+        Raises:
+            NonFiniteError: non-finite loss/gradient and ``on_nonfinite: stop``.
+        """
+        bad_local = self._bad_loss or not is_finite(grad_norm)
+        self._bad_loss = False
+        time_up = (
+            self.is_main
+            and self.cfg.max_minutes is not None
+            and (time.monotonic() - self.started > 60 * self.cfg.max_minutes)
+        )
+        signal_, time_up, bad = any_rank(
+            [self.signals.requested is not None, time_up, bad_local], self.accelerator.device
+        )
+        if signal_:
+            self.stop_reason = "interrupted"
+        elif time_up and self.stop_reason is None:
+            self.stop_reason = "max_minutes"
+        if not bad:
+            return True
+        norm = float(grad_norm) if grad_norm is not None else float("nan")
+        if self.cfg.on_nonfinite == "skip":
+            self.state.skipped_nonfinite += 1
+            self.say(
+                f"warning: step {next_step}: non-finite loss or gradient (grad norm "
+                f"{norm:g}); skipped ({self.state.skipped_nonfinite} so far)"
+            )
+            return False
+        done = ckpt.finished_checkpoints(self.out)
+        kept = f"the last good checkpoint is {done[-1][1]}" if done else "no checkpoint was saved"
+        raise NonFiniteError(
+            f"non-finite loss or gradient at step {next_step} (grad norm {norm:g}); stopped "
+            f"without saving it: {kept}. Lower lr (now {self.cfg.lr:g}) and resume, or set "
+            "on_nonfinite: skip to skip such steps"
+        )
+
+    def optimizer_step(
+        self, next_step: int, grad_norm: torch.Tensor | float, optimizer: Any, scheduler: Any
+    ) -> bool:
+        """Apply optimizer step ``next_step`` if all ranks agree it is finite (:meth:`step_ok`).
+
+        Steps the optimizer and the schedule (once per optimizer step, not per process), and
+        zeroes the gradients either way. Returns False for a skipped non-finite step.
+        """
+        ok = self.step_ok(next_step, grad_norm)
+        if ok:
+            optimizer.step()
+            scheduler.step()
+        optimizer.zero_grad()
+        return ok
+
+    def finished(self, step: int, total: int) -> bool:
+        """Whether the loop ends after ``step``: done, stopped, out of time, or paused."""
+        if step >= total:
+            return True
+        if self.stop_reason is not None:
+            return True
+        pause = self.cfg.stop_after_steps
+        if pause is not None and step - self._invocation_start >= pause:
+            self.stop_reason = "paused"
+            return True
+        return False
+
+    @property
+    def interrupted(self) -> bool:
+        """Stopped by a signal or paused: checkpoint and exit 0, no final outputs."""
+        return self.stop_reason in ("interrupted", "paused")
+
+    def resume_hint(self) -> str:
+        """The one line that says how to continue an interrupted run."""
+        argv = [a for a in sys.argv if a not in ("--no-resume", "--overwrite")]
+        if argv and argv[0].endswith(".py"):
+            argv.insert(0, "python")
+        command = " ".join(shlex.quote(a) for a in argv)
+        launcher = " under the same launcher (accelerate launch ...)" if self.multi else ""
+        return (
+            f"stopped ({self.stop_reason}) after step {self.state.step}; checkpoint saved; "
+            f"resume with{launcher}: {command}"
+        )
+
+    # --- logs, validation, best drafter -------------------------------------------------------
+
+    def log(self, step: int, logs: dict[str, float]) -> None:
+        """Send training logs to the tracker and keep them in the run's history."""
+        self.accelerator.log(logs, step=step)
+        self.state.train_log.append(finite_json({"step": step, **logs}))
+
+    def record_validation(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        sim_tau: float,
+        save_best: Callable[[Path], None] | None = None,
+    ) -> dict[str, float]:
+        """Log a validation with its simulated τ; keep the best drafter in ``output_dir/best``.
+
+        Args:
+            step: the optimizer step validated.
+            metrics: ``val/...`` figures.
+            sim_tau: :func:`draftsmith.train.metrics.simulated_tau` of the validation.
+            save_best: writes the drafter into a directory (called on every process, writes on
+                the main one); None: no best drafter is kept.
+        """
+        entry = {**metrics, "val/sim_tau": sim_tau}
+        self.accelerator.log(entry, step=step)
+        self.state.validation.append(finite_json({"step": step, **entry}))
+        best = self.state.best
+        if (
+            save_best is not None
+            and math.isfinite(sim_tau)
+            and (best is None or sim_tau > best["sim_tau"])
+        ):
+            self.write_output(BEST, save_best)
+            self.state.best = {"step": step, "sim_tau": sim_tau}
+        return entry
+
+    def write_output(
+        self, name: str, write: Callable[[Path], None], need: int | None = None
+    ) -> Path:
+        """Write ``output_dir/name`` via a temp dir and a rename (never half-written).
+
+        ``write(tmp_dir)`` runs on every process (gathering a sharded state dict is collective)
+        and writes on the main one. Free space is checked against ``need`` (default: the size
+        of the prepared models); a write that fails for lack of space raises DiskSpaceError and
+        leaves the previous ``name`` and no temp dir.
+        """
+        from draftsmith.train.runinfo import replace_dir
+
+        path, tmp = self.out / name, self.out / f".{name}.tmp"
+        need = need or ckpt.checkpoint_bytes(self.accelerator) // 2
+
+        def prepare() -> None:
+            safety.ensure_free_space(self.out, need)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+        self.on_main(prepare, f"preparing {path}")
+        error: BaseException | None = None
+        try:
+            write(tmp)
+        except Exception as exc:
+            error = exc
+        failed = any_rank([error is not None], self.accelerator.device)[0]
+        if self.is_main:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                replace_dir(tmp, path, overwrite=True)
+        if failed:
+            if error is None:
+                raise RunError(f"writing {path} failed in another process")
+            if safety.disk_full(error):
+                raise safety.DiskSpaceError(self.out, need) from error
+            raise error
+        return path
+
+    def write_json(self, path: Path, data: dict[str, Any]) -> None:
+        """Strict JSON (NaN/inf -> null) written atomically, main process only."""
+        from draftsmith.train.runinfo import write_json_atomic
+
+        if self.is_main:
+            write_json_atomic(path, data)
+
+    def summary(self, step: int, total: int) -> dict[str, Any]:
+        """The fields every recipe's ``training_metrics.json`` starts with."""
+        return {
+            "recipe": self.recipe,
+            "kind": self.kind,
+            "steps": step,
+            "total_steps": total,
+            "stop_reason": "done" if step >= total else (self.stop_reason or "done"),
+            "resumed_from": self.resumed_from,
+            "train_seconds": round(time.monotonic() - self.started, 1),
+            "processes": self.accelerator.num_processes,
+            "skipped_nonfinite": self.state.skipped_nonfinite,
+            "best": self.state.best,
+            "validation": self.state.validation,
+            "train_log": self.state.train_log,
+            "config": config_to_dict(self.cfg),
+        }
+
+
+def mean_over_processes(accelerator: Any, logs: dict[str, float]) -> dict[str, float]:
+    """Average scalar logs over processes (one all-reduce)."""
+    if accelerator.num_processes == 1 or not logs:
+        return logs
+    keys = sorted(logs)
+    values = torch.tensor([float(logs[k]) for k in keys], device=accelerator.device)
+    values = accelerator.reduce(values, reduction="mean")
+    return dict(zip(keys, values.tolist(), strict=True))
+
+
+def _collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that timed out or lost its peer (gloo/NCCL)."""
+    text = str(exc).lower()
+    names = {type(e).__name__ for e in (exc, exc.__cause__) if e is not None}
+    return bool(names & {"DistBackendError", "DistNetworkError", "DistError"}) or any(
+        w in text for w in ("timed out", "timeout", "connection closed", "connection reset")
+    )
+
+
+__all__ = ["NonFiniteError", "TrainRun", "mean_over_processes"]
