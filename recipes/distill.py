@@ -15,20 +15,25 @@ fraction of the steps the answers are sampled from the draft itself and scored b
 (DistillSpec §4.1; GKD, Agarwal et al. 2024), so the draft learns on the prefixes it will
 actually produce.
 
-A held-out fraction of the training records (not the evaluation prompts) measures, before
-training and every ``eval_every`` steps, the loss, the expected acceptance Σ min(p, q) and the
-greedy agreement (argmax match). Checkpoints (``accelerator.save_state``) go to
-``output_dir/checkpoints/step_N``; a rerun with ``resume: true`` continues from the latest one,
-skipping the batches already seen. The result is ``output_dir/draft/`` (``save_pretrained`` model
-+ tokenizer + model card, loadable by ``AutoModelForCausalLM``) and ``output_dir/metrics.json``.
+The recipe reads top to bottom: config -> run (processes, output lock) -> target and draft ->
+data -> optimizer and schedule -> loop (on-policy batch, loss, backward, clip, step; validation;
+checkpoints) -> save. Held-out training records (``val_samples``, not the evaluation prompts)
+measure, before training, every ``eval_every`` steps and at the end, the loss, the expected
+acceptance Σ min(p, q), the greedy agreement (argmax match) and the simulated τ of ``sim_k``
+greedy draft tokens it implies; the draft with the best one is kept in ``output_dir/best``.
+Ctrl-C finishes the step, saves a checkpoint and prints how to resume (``draftsmith.train.core``).
+
+Output directory::
+
+    draft/                    save_pretrained model + tokenizer + model card (AutoModelForCausalLM)
+    best/                     the draft of the best validation (highest val/sim_tau)
+    training_metrics.json     train log (loss per logged step), validations, config, versions
+    checkpoints/step_N/       accelerate state + trainer_state.json, for resuming
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -38,14 +43,18 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.config import (
-    ConfigError,
-    cfg_field,
-    config_to_dict,
-    dump_config,
-    parse_config,
+from draftsmith.train.config import cfg_field, parse_config
+from draftsmith.train.core.config import TrainConfig
+from draftsmith.train.core.data import (
+    check_enough_data,
+    eos_ids,
+    input_errors,
+    load_samples,
+    split_indices,
+    total_steps,
 )
-from draftsmith.train.data import DataFileError, TemplateError, build_dataset
+from draftsmith.train.core.dist import exit_process
+from draftsmith.train.core.run import TrainRun
 from draftsmith.train.distill_losses import (
     LOSSES,
     distill_loss,
@@ -54,24 +63,18 @@ from draftsmith.train.distill_losses import (
     prediction_mask,
 )
 from draftsmith.train.draft_init import DRAFT_INITS, compute_ratio, init_draft
-from draftsmith.train.export_hf import save_draft
-from draftsmith.train.hidden_states import TokenDataset, collate_hidden_states, process_state
-from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
-from draftsmith.train.target import TargetError, load_target
+from draftsmith.train.errors import UsageError, cli_main
+from draftsmith.train.hidden_states import TokenDataset, collate_hidden_states
 
 
 @dataclass
-class DistillConfig:
-    """Settings of one distillation run."""
+class DistillConfig(TrainConfig):
+    """Settings of one distillation run (the shared ones are in TrainConfig)."""
 
     # --- target and data ---
-    target: str | None = cfg_field(
-        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
-    )
-    cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     data: Path | None = cfg_field(
         None,
-        help="self-distilled conversations (JSONL/JSON/parquet file or dir), or a dir saved by "
+        help="self-distilled conversations (JSONL/JSON/parquet file or dir), or data saved by "
         "`draftsmith data tokenize`",
     )
     split: str = cfg_field(
@@ -79,24 +82,29 @@ class DistillConfig:
         help="records to use: train (never the held-out ones) or all",
         choices=["train", "all"],
     )
-    max_length: int = cfg_field(1024, help="truncate conversations to this many tokens")
-    val_fraction: float = cfg_field(
-        0.05, help="share of the training records held out for validation (0 = none)"
+    max_length: int = cfg_field(1024, help="truncate conversations to this many tokens", ge=2)
+    val_samples: int = cfg_field(
+        64, help="training records held back for validation (0 = none)", ge=0
     )
-    val_max_samples: int = cfg_field(64, help="at most this many validation records")
     # --- draft ---
     draft_init: str = cfg_field(
         "pruned",
         help="pruned: copy of chosen target layers; fresh: new model; path: local model dir",
         choices=list(DRAFT_INITS),
     )
-    draft_layers: list[int] | None = cfg_field([0], help="pruned: target layers to keep, in order")
+    draft_layers: list[int] | None = cfg_field(
+        [0], help="pruned: target layers to keep, in order", ge=0
+    )
     draft_model: Path | None = cfg_field(None, help="path: a local HF model dir (same tokenizer)")
-    fresh_layers: int = cfg_field(2, help="fresh: decoder layers")
-    fresh_hidden_size: int | None = cfg_field(None, help="fresh: width (default: the target's)")
-    fresh_heads: int | None = cfg_field(None, help="fresh: attention heads (default: target's)")
-    fresh_kv_heads: int | None = cfg_field(None, help="fresh: key/value heads")
-    fresh_intermediate_size: int | None = cfg_field(None, help="fresh: MLP width")
+    fresh_layers: int = cfg_field(2, help="fresh: decoder layers", ge=1)
+    fresh_hidden_size: int | None = cfg_field(
+        None, help="fresh: width (default: the target's)", ge=1
+    )
+    fresh_heads: int | None = cfg_field(
+        None, help="fresh: attention heads (default: target's)", ge=1
+    )
+    fresh_kv_heads: int | None = cfg_field(None, help="fresh: key/value heads", ge=1)
+    fresh_intermediate_size: int | None = cfg_field(None, help="fresh: MLP width", ge=1)
     fresh_copy_embeddings: bool = cfg_field(
         False, help="fresh: start from the target's embeddings, final norm, lm_head (same width)"
     )
@@ -104,121 +112,44 @@ class DistillConfig:
     loss: str = cfg_field(
         "fkl", help="fkl: KL(p||q), rkl: KL(q||p), tvd: total variation, jsd", choices=list(LOSSES)
     )
-    temperature: float = cfg_field(1.0, help="softmax temperature of p and q in the loss")
-    jsd_beta: float = cfg_field(0.5, help="jsd: mixture weight beta in (0, 1)")
-    ce_weight: float = cfg_field(0.0, help="weight of cross-entropy on the data tokens, in [0, 1]")
+    temperature: float = cfg_field(1.0, help="softmax temperature of p and q in the loss", gt=0)
+    jsd_beta: float = cfg_field(0.5, help="jsd: mixture weight beta in (0, 1)", gt=0, lt=1)
+    ce_weight: float = cfg_field(
+        0.0, help="weight of cross-entropy on the data tokens, in [0, 1]", ge=0, le=1
+    )
     # --- on-policy data ---
     on_policy_fraction: float = cfg_field(
-        0.0, help="share of optimizer steps trained on answers sampled from the draft"
+        0.0, help="share of optimizer steps trained on answers sampled from the draft", ge=0, le=1
     )
-    on_policy_max_new_tokens: int = cfg_field(64, help="on-policy: tokens the draft samples")
-    on_policy_temperature: float = cfg_field(1.0, help="on-policy: draft sampling temperature")
-    # --- optimisation ---
-    batch_size: int = cfg_field(4, help="conversations per batch per process")
-    gradient_accumulation_steps: int = cfg_field(1, help="batches per optimizer step")
-    lr: float = cfg_field(1e-4, help="peak learning rate (AdamW)")
-    weight_decay: float = cfg_field(0.0, help="AdamW weight decay")
-    warmup_ratio: float = cfg_field(0.03, help="share of the steps with linear warmup")
-    epochs: int = cfg_field(1, help="passes over the training records (unless max_steps is set)")
-    max_steps: int | None = cfg_field(None, help="optimizer steps in total (overrides epochs)")
-    max_minutes: float | None = cfg_field(
-        None,
-        help="time budget of this invocation (wall clock from start, loading and validation "
-        "included): the first step past it ends training (final validation, save)",
+    on_policy_max_new_tokens: int = cfg_field(64, help="on-policy: tokens the draft samples", ge=1)
+    on_policy_temperature: float = cfg_field(
+        1.0, help="on-policy: draft sampling temperature (0 = greedy)", ge=0
     )
-    stop_after_steps: int | None = cfg_field(
-        None, help="pause this invocation after N optimizer steps (checkpoint only; resume later)"
+    # --- shared fields with this recipe's defaults ---
+    lr: float = cfg_field(1e-4, help="peak learning rate (AdamW)", gt=0)
+    save_every: int = cfg_field(
+        100, help="save a resumable checkpoint every N optimizer steps (0 = never)", ge=0
     )
-    max_grad_norm: float = cfg_field(1.0, help="gradient clipping norm (0 = off)")
-    mixed_precision: str = cfg_field(
-        "no", help="accelerate mixed precision", choices=["no", "bf16", "fp16"]
+    sim_k: int = cfg_field(
+        5, help="draft length of the simulated τ reported by validation (val/sim_tau)", ge=1
     )
-    seed: int = cfg_field(0, help="seed for data order, validation split and initialisation")
-    # --- logging and checkpoints ---
     output_dir: Path = cfg_field(Path("runs/distill"), help="checkpoints, draft, metrics")
-    log_every: int = cfg_field(10, help="log training metrics every N optimizer steps")
-    eval_every: int = cfg_field(100, help="validate every N optimizer steps (0 = start and end)")
-    save_every: int = cfg_field(100, help="checkpoint every N optimizer steps (0 = never)")
-    keep_checkpoints: int = cfg_field(2, help="checkpoints kept (oldest deleted)")
-    resume: bool = cfg_field(True, help="continue from the latest checkpoint in output_dir")
-    report_to: str = cfg_field("none", help="experiment tracker", choices=["none", "wandb"])
-    wandb_project: str = cfg_field("draftsmith", help="W&B project")
-    threads: int | None = cfg_field(None, help="torch CPU threads per process")
-    progress: bool = cfg_field(True, help="show a progress bar")
 
     def validate(self) -> list[tuple[str, str]]:
-        problems = []
+        problems = super().validate()
         if self.data is None:
             problems.append(("data", "required: the conversations to train on"))
-        if self.max_length < 2:
-            problems.append(("max_length", f"must be >= 2, got {self.max_length}"))
-        if not 0 <= self.val_fraction < 1:
-            problems.append(("val_fraction", f"must be in [0, 1), got {self.val_fraction}"))
-        if self.val_max_samples < 1:
-            problems.append(("val_max_samples", f"must be >= 1, got {self.val_max_samples}"))
         if self.draft_init == "pruned":
             layers = self.draft_layers or []
             if not layers:
                 problems.append(("draft_layers", "pruned draft needs at least one layer"))
-            elif min(layers) < 0 or len(set(layers)) != len(layers):
-                problems.append(("draft_layers", f"need distinct indices >= 0, got {layers}"))
+            elif len(set(layers)) != len(layers):
+                problems.append(("draft_layers", f"need distinct indices, got {layers}"))
         if self.draft_init == "path" and self.draft_model is None:
             problems.append(("draft_model", "draft_init path needs draft_model"))
         if self.draft_init != "path" and self.draft_model is not None:
             problems.append(("draft_model", "only used with draft_init: path"))
-        if self.fresh_layers < 1:
-            problems.append(("fresh_layers", f"must be >= 1, got {self.fresh_layers}"))
-        for name in (
-            "fresh_hidden_size",
-            "fresh_heads",
-            "fresh_kv_heads",
-            "fresh_intermediate_size",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                problems.append((name, f"must be >= 1, got {value}"))
-        if self.temperature <= 0:
-            problems.append(("temperature", f"must be > 0, got {self.temperature}"))
-        if not 0 < self.jsd_beta < 1:
-            problems.append(("jsd_beta", f"must be in (0, 1), got {self.jsd_beta}"))
-        if not 0 <= self.ce_weight <= 1:
-            problems.append(("ce_weight", f"must be in [0, 1], got {self.ce_weight}"))
-        if not 0 <= self.on_policy_fraction <= 1:
-            problems.append(
-                ("on_policy_fraction", f"must be in [0, 1], got {self.on_policy_fraction}")
-            )
-        if self.on_policy_max_new_tokens < 1:
-            problems.append(("on_policy_max_new_tokens", "must be >= 1"))
-        if self.on_policy_temperature < 0:
-            problems.append(("on_policy_temperature", "must be >= 0 (0 = greedy)"))
-        for name in ("batch_size", "gradient_accumulation_steps", "epochs", "log_every"):
-            if getattr(self, name) < 1:
-                problems.append((name, f"must be >= 1, got {getattr(self, name)}"))
-        if self.lr <= 0:
-            problems.append(("lr", f"must be > 0, got {self.lr}"))
-        if self.weight_decay < 0:
-            problems.append(("weight_decay", f"must be >= 0, got {self.weight_decay}"))
-        if not 0 <= self.warmup_ratio < 1:
-            problems.append(("warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}"))
-        for name in ("max_steps", "stop_after_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                problems.append((name, f"must be >= 1, got {getattr(self, name)}"))
-        if self.max_minutes is not None and self.max_minutes <= 0:
-            problems.append(("max_minutes", f"must be > 0, got {self.max_minutes}"))
-        if self.max_grad_norm < 0:
-            problems.append(("max_grad_norm", f"must be >= 0, got {self.max_grad_norm}"))
-        for name in ("eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                problems.append((name, f"must be >= 0, got {getattr(self, name)}"))
-        if self.keep_checkpoints < 1:
-            problems.append(("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}"))
-        if self.threads is not None and self.threads < 1:
-            problems.append(("threads", f"must be >= 1, got {self.threads}"))
         return problems
-
-
-class InputError(Exception):
-    """A problem with the run's inputs (data, target, draft): exit code 2, no traceback."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,338 +302,216 @@ def validate(draft, target, samples, cfg: DistillConfig, accelerator) -> dict[st
 
 
 # --------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------
-
-_STATE_FILE = "trainer_state.json"
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step (its state file is written last)."""
-    root = output_dir / "checkpoints"
-    found = []
-    for path in root.glob("step_*") if root.is_dir() else []:
-        m = re.fullmatch(r"step_(\d+)", path.name)
-        if m and (path / _STATE_FILE).is_file():
-            found.append((int(m.group(1)), path))
-    return max(found)[1] if found else None
-
-
-def save_checkpoint(accelerator, output_dir: Path, state: dict[str, Any], keep: int) -> Path:
-    """``save_state`` into ``checkpoints/step_N``, then the loop state; prune old ones."""
-    path = output_dir / "checkpoints" / f"step_{state['step']}"
-    accelerator.save_state(str(path))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_json_atomic(path / _STATE_FILE, state)
-        done = sorted(
-            (int(p.name.split("_")[1]), p)
-            for p in path.parent.glob("step_*")
-            if (p / _STATE_FILE).is_file()
-        )
-        for _, old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return path
-
-
-# --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
 
 
-def _split_validation(n: int, cfg: DistillConfig) -> tuple[list[int], list[int]]:
-    """Seeded split of record indices into (train, validation)."""
-    n_val = (
-        0
-        if cfg.val_fraction == 0
-        else min(cfg.val_max_samples, max(1, round(cfg.val_fraction * n)))
-    )
-    if n - n_val < 1:
-        raise InputError(f"{n} training records leave none for training after validation")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    return sorted(order[n_val:]), sorted(order[:n_val])
-
-
-def load_data(cfg: DistillConfig, tokenizer) -> tuple[Any, Any]:
-    """The training records as a tokenized ``datasets.Dataset`` (input_ids, loss_mask, id).
-
-    ``cfg.data`` is either conversations (tokenized here with the target's chat template, see
-    :func:`build_dataset`) or a directory saved by ``draftsmith data tokenize`` (used as is: its
-    split and length were chosen when it was made; ``max_length`` still truncates).
-    """
-    path = Path(cfg.data)
-    if (path / "dataset_info.json").is_file():
-        import datasets
-
-        dataset = datasets.load_from_disk(str(path))
-        missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
-        if missing:
-            raise ValueError(f"{path}: tokenized dataset lacks columns {sorted(missing)}")
-        # keep_in_memory: no cache files written into the user's dataset directory.
-        dataset = dataset.map(
-            lambda row: {k: row[k][: cfg.max_length] for k in ("input_ids", "loss_mask")},
-            keep_in_memory=True,
-        ).filter(lambda row: sum(row["loss_mask"][1:]) > 0, keep_in_memory=True)
-        return dataset, f"{len(dataset)} tokenized samples from {path}"
-    return build_dataset(
-        path, tokenizer, max_length=cfg.max_length, split=None if cfg.split == "all" else cfg.split
-    )
-
-
-def _eos_ids(tokenizer, target) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    eos = target.generation_config.eos_token_id
-    ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
-    return sorted(i for i in ids if i is not None)
-
-
-def run(cfg: DistillConfig) -> dict[str, Any]:
-    """Train a draft as ``cfg`` says; return the metrics (also written to ``metrics.json``).
-
-    Raises:
-        InputError: bad data, target or draft (the message says which).
-    """
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+def run(cfg: DistillConfig) -> dict[str, Any] | None:
+    """Train a draft as ``cfg`` says; the metrics (None when stopped early with a checkpoint)."""
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    from draftsmith.train.export_hf import save_draft
+    from draftsmith.train.metrics import simulated_tau
+    from draftsmith.train.runinfo import run_info
+    from draftsmith.train.target import load_target
+
     info = run_info()
-    started = time.monotonic()
-    # --- accelerator --------------------------------------------------------------------------
-    # CPU processes need a CPU state before the Accelerator (see process_state); on a GPU
-    # machine this is the normal one-process-per-device state.
-    state = process_state()
-    accelerator = Accelerator(
-        cpu=state.device.type == "cpu",
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision,
-        log_with="wandb" if cfg.report_to == "wandb" else None,
-        project_config=ProjectConfiguration(project_dir=str(cfg.output_dir)),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
-    main_proc = accelerator.is_main_process
-    say = accelerator.print
-    set_seed(cfg.seed)
+    with TrainRun(
+        cfg,
+        recipe="distill",
+        kind="distill",
+        outputs=["draft", "metrics.json", "training_metrics.json"],
+    ) as train_run:
+        accelerator, say = train_run.accelerator, train_run.say
 
-    # --- target, draft ------------------------------------------------------------------------
-    try:
+        # --- target, draft --------------------------------------------------------------------
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
-    except TargetError as exc:
-        raise InputError(str(exc)) from exc
-    target.to(accelerator.device)
-    try:
-        draft = init_draft(
-            cfg.draft_init,
-            target,
-            tokenizer,
-            layers=cfg.draft_layers,
-            path=cfg.draft_model,
-            fresh={
-                "num_layers": cfg.fresh_layers,
-                "hidden_size": cfg.fresh_hidden_size,
-                "num_heads": cfg.fresh_heads,
-                "num_kv_heads": cfg.fresh_kv_heads,
-                "intermediate_size": cfg.fresh_intermediate_size,
-                "copy_embeddings": cfg.fresh_copy_embeddings,
-                "seed": cfg.seed,
-            },
-        )
-    except (ValueError, FileNotFoundError, OSError) as exc:
-        raise InputError(f"draft: {exc}") from exc
-    ratio = compute_ratio(draft, target)
-    say(
-        f"draft: {cfg.draft_init} {cfg.draft_layers if cfg.draft_init == 'pruned' else ''}, "
-        f"{draft.config.num_hidden_layers} layers, {ratio:.3f}x the target's FLOPs per token"
-    )
-
-    # --- data ---------------------------------------------------------------------------------
-    try:
-        dataset, summary = load_data(cfg, tokenizer)
-    except (DataFileError, TemplateError, ValueError) as exc:
-        raise InputError(str(exc)) from exc
-    say(str(summary))
-    train_idx, val_idx = _split_validation(len(dataset), cfg)
-    train_set = TokenDataset(dataset.select(train_idx))
-    val_set = TokenDataset(dataset.select(val_idx)) if val_idx else None
-    val_samples = [val_set[i] for i in range(len(val_set))] if val_set else []
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    eos_ids = _eos_ids(tokenizer, target)
-    loader = torch.utils.data.DataLoader(
-        train_set,
-        batch_size=cfg.batch_size,
-        shuffle=True,
-        collate_fn=partial(collate_hidden_states, pad_token_id=pad_id),
-    )
-
-    # --- optimizer, prepare, schedule ---------------------------------------------------------
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    draft, optimizer, loader = accelerator.prepare(draft, optimizer, loader)
-    steps_per_epoch = math.ceil(len(loader) / cfg.gradient_accumulation_steps)
-    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    # Stepped once per optimizer step by us (not prepared): its length is in optimizer steps.
-    scheduler = get_cosine_schedule_with_warmup(
-        optimizer, round(cfg.warmup_ratio * total_steps), total_steps
-    )
-    accelerator.register_for_checkpointing(scheduler)
-    unwrapped = accelerator.unwrap_model(draft)
-
-    # --- resume -------------------------------------------------------------------------------
-    loop = {"step": 0, "micro_step": 0, "history": [], "before": None}
-    ckpt = latest_checkpoint(cfg.output_dir) if cfg.resume else None
-    if ckpt is not None:
-        accelerator.load_state(str(ckpt))
-        loop.update(json.loads((ckpt / _STATE_FILE).read_text()))
-        say(f"resumed from {ckpt} (step {loop['step']})")
-    if main_proc:
-        cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, cfg.output_dir / "config.yaml")
-    if cfg.report_to == "wandb":
-        accelerator.init_trackers(
-            cfg.wandb_project,
-            config=config_to_dict(cfg),
-            # No API key configured: log offline to ./wandb (`wandb sync` uploads it later).
-            init_kwargs={
-                "wandb": {"job_type": "distill", "dir": str(cfg.output_dir), "mode": wandb_mode()}
-            },
-        )
-    if loop["before"] is None and val_samples:
-        loop["before"] = validate(unwrapped, target, val_samples, cfg, accelerator)
-        say(f"validation before training: {_fmt_metrics(loop['before'])}")
-        accelerator.log({f"val/{k}": v for k, v in loop["before"].items()}, step=loop["step"])
-
-    # --- loop ---------------------------------------------------------------------------------
-    step, micro = loop["step"], loop["micro_step"]
-    epoch, skip = divmod(micro, len(loader))
-    bar = tqdm(
-        total=total_steps,
-        initial=step,
-        desc="distill",
-        disable=not (main_proc and cfg.progress),
-        dynamic_ncols=True,
-    )
-    window = {"loss": 0.0, "acc": 0.0, "tokens": 0, "batches": 0, "t": time.monotonic()}
-    budget_end = started + 60 * cfg.max_minutes if cfg.max_minutes else None
-    stop_at = step + cfg.stop_after_steps if cfg.stop_after_steps else None
-    finished, paused = step >= total_steps, False
-    draft.train()
-    while not (finished or paused):
-        loader.set_epoch(epoch)
-        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
-        skip = 0
-        for batch in batches:
-            if is_on_policy_step(step, cfg.on_policy_fraction):
-                batch = on_policy_batch(unwrapped, batch, cfg, pad_id, eos_ids)
-            with accelerator.accumulate(draft):
-                p, q, labels = batch_logits(draft, target, batch)
-                loss = step_loss(cfg, p, q, labels)
-                accelerator.backward(loss)
-                grad_norm = None
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    grad_norm = accelerator.clip_grad_norm_(draft.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            micro += 1
-            window["loss"] += float(loss.detach())
-            window["acc"] += float(expected_acceptance(p, q))
-            window["tokens"] += int(batch["attention_mask"].sum())
-            window["batches"] += 1
-            if not accelerator.sync_gradients:
-                continue
-            scheduler.step()
-            step += 1
-            bar.update(1)
-            if step % cfg.log_every == 0:
-                now = time.monotonic()
-                logs = {
-                    "train/loss": window["loss"] / window["batches"],
-                    "train/expected_acceptance": window["acc"] / window["batches"],
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/tokens_per_second": window["tokens"] / max(now - window["t"], 1e-9),
-                    "train/epoch": epoch,
-                }
-                if grad_norm is not None:
-                    logs["train/grad_norm"] = float(grad_norm)
-                accelerator.log(logs, step=step)
-                bar.set_postfix(
-                    loss=f"{logs['train/loss']:.4f}", acc=f"{logs['train/expected_acceptance']:.3f}"
-                )
-                window = {"loss": 0.0, "acc": 0.0, "tokens": 0, "batches": 0, "t": now}
-            if val_samples and cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-                metrics = validate(unwrapped, target, val_samples, cfg, accelerator)
-                loop["history"].append({"step": step, **metrics})
-                accelerator.log({f"val/{k}": v for k, v in metrics.items()}, step=step)
-                say(f"step {step}: validation {_fmt_metrics(metrics)}")
-            finished = step >= total_steps or _out_of_time(budget_end, accelerator)
-            paused = not finished and stop_at is not None and step >= stop_at
-            if (cfg.save_every and step % cfg.save_every == 0) or paused:
-                loop.update(step=step, micro_step=micro)
-                save_checkpoint(accelerator, cfg.output_dir, loop, cfg.keep_checkpoints)
-            if finished or paused:
-                break
-        else:
-            epoch += 1
-    bar.close()
-
-    if paused:
-        say(f"paused after step {step} of {total_steps}; rerun with resume: true to continue")
-        accelerator.end_training()
-        return {"paused": True, "step": step, "total_steps": total_steps}
-
-    # --- final validation and save ------------------------------------------------------------
-    after = validate(unwrapped, target, val_samples, cfg, accelerator) if val_samples else None
-    if after is not None:
-        loop["history"].append({"step": step, **after})
-        accelerator.log({f"val/{k}": v for k, v in after.items()}, step=step)
-        say(f"validation after training: {_fmt_metrics(after)}")
-    metrics = {
-        "steps": step,
-        "total_steps": total_steps,
-        "train_records": len(train_idx),
-        "val_records": len(val_idx),
-        "data_summary": str(summary),
-        "compute_ratio": ratio,
-        "validation": {"before": loop["before"], "after": after, "history": loop["history"]},
-        "wall_seconds": time.monotonic() - started,
-        "num_processes": accelerator.num_processes,
-        "config": config_to_dict(cfg),
-        **info,
-    }
-    card = {
-        "target": cfg.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
-        "data": str(cfg.data),
-        "init": f"{cfg.draft_init} {cfg.draft_layers}"
-        if cfg.draft_init == "pruned"
-        else cfg.draft_init,
-        "num_layers": unwrapped.config.num_hidden_layers,
-        "loss": _loss_name(cfg),
-        "steps": step,
-        "compute_ratio": round(ratio, 4),
-        "validation": {"before": loop["before"], "after": after},
-    }
-    state_dict = accelerator.get_state_dict(draft)
-    if main_proc:
-        save_draft(unwrapped, tokenizer, cfg.output_dir / "draft", info=card, state_dict=state_dict)
-        write_json_atomic(cfg.output_dir / "metrics.json", metrics)
+        target.to(accelerator.device)
+        fresh = {
+            "num_layers": cfg.fresh_layers,
+            "hidden_size": cfg.fresh_hidden_size,
+            "num_heads": cfg.fresh_heads,
+            "num_kv_heads": cfg.fresh_kv_heads,
+            "intermediate_size": cfg.fresh_intermediate_size,
+            "copy_embeddings": cfg.fresh_copy_embeddings,
+            "seed": cfg.seed,
+        }
+        try:
+            draft = init_draft(
+                cfg.draft_init,
+                target,
+                tokenizer,
+                layers=cfg.draft_layers,
+                path=cfg.draft_model,
+                fresh=fresh,
+            )
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"draft: {exc}") from exc
+        ratio = compute_ratio(draft, target)
         say(
-            f"draft saved to {cfg.output_dir / 'draft'}; metrics in {cfg.output_dir / 'metrics.json'}"
+            f"draft: {cfg.draft_init} {cfg.draft_layers if cfg.draft_init == 'pruned' else ''}, "
+            f"{draft.config.num_hidden_layers} layers, {ratio:.3f}x the target's FLOPs per token"
         )
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+
+        # --- data -----------------------------------------------------------------------------
+        dataset, summary = load_samples(
+            cfg.data, tokenizer, max_length=cfg.max_length, split=cfg.split
+        )
+        say(str(summary or f"{len(dataset)} tokenized samples from {cfg.data}"))
+        train_idx, val_idx = split_indices(len(dataset), cfg.val_samples, cfg.seed)
+        check_enough_data(
+            len(dataset),
+            len(train_idx),
+            summary=summary,
+            source=str(cfg.data),
+            min_train_samples=cfg.min_train_samples,
+            allow=cfg.allow_little_data,
+        )
+        train_set = TokenDataset(dataset.select(train_idx))
+        val_samples = [TokenDataset(dataset.select(val_idx))[i] for i in range(len(val_idx))]
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        stop_ids = eos_ids(tokenizer, target)
+        loader = torch.utils.data.DataLoader(
+            train_set,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            collate_fn=partial(collate_hidden_states, pad_token_id=pad_id),
+        )
+
+        # --- optimizer, prepare, schedule, resume ---------------------------------------------
+        optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        draft, optimizer, loader = train_run.prepare(draft, optimizer, loader)
+        total = total_steps(cfg.max_steps, cfg.epochs, len(loader), cfg.grad_accum)
+        # Stepped once per optimizer step by us (not prepared): its length is in optimizer steps.
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer, round(cfg.warmup_ratio * total), total
+        )
+        accelerator.register_for_checkpointing(scheduler)
+        unwrapped = accelerator.unwrap_model(draft)
+        train_run.resume()
+        train_run.dump_config()
+        train_run.init_trackers(f"distill-{train_run.out.name}", "distill")
+
+        def card(validation: dict[str, Any] | None) -> dict[str, Any]:
+            init = cfg.draft_init + (f" {cfg.draft_layers}" if cfg.draft_init == "pruned" else "")
+            return {
+                "target": cfg.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "data": str(cfg.data),
+                "init": init,
+                "num_layers": unwrapped.config.num_hidden_layers,
+                "loss": _loss_name(cfg),
+                "steps": step,
+                "compute_ratio": round(ratio, 4),
+                "validation": {"before": train_run.state.extra.get("before"), "after": validation},
+            }
+
+        def save_to(path: Path, validation: dict[str, Any] | None = None) -> None:
+            state_dict = accelerator.get_state_dict(draft)  # collective under FSDP
+            if accelerator.is_main_process:
+                save_draft(unwrapped, tokenizer, path, info=card(validation), state_dict=state_dict)
+
+        def validation(step: int) -> dict[str, float]:
+            metrics = validate(unwrapped, target, val_samples, cfg, accelerator)
+            tau = simulated_tau([metrics["greedy_agreement"]] * cfg.sim_k)
+            logs = {f"val/{k}": v for k, v in metrics.items()}
+            train_run.record_validation(step, logs, tau, partial(save_to, validation=metrics))
+            say(f"step {step}: validation {_fmt_metrics(metrics)}, sim τ {tau:.3f}")
+            return metrics
+
+        step = train_run.state.step
+        if val_samples and "before" not in train_run.state.extra:
+            before = validate(unwrapped, target, val_samples, cfg, accelerator)
+            train_run.state.extra["before"] = before
+            accelerator.log({f"val/{k}": v for k, v in before.items()}, step=0)
+            say(f"validation before training: {_fmt_metrics(before)}")
+
+        # --- loop -----------------------------------------------------------------------------
+        bar = tqdm(
+            total=total,
+            initial=step,
+            desc="distill",
+            dynamic_ncols=True,
+            disable=not (train_run.is_main and cfg.progress),
+        )
+        window = {"loss": 0.0, "acc": 0.0, "tokens": 0, "batches": 0, "t": train_run.started}
+        draft.train()
+        while not train_run.finished(step, total):
+            for batch in train_run.position.batches_of_epoch(accelerator, loader):
+                if is_on_policy_step(step, cfg.on_policy_fraction):
+                    batch = on_policy_batch(unwrapped, batch, cfg, pad_id, stop_ids)
+                with accelerator.accumulate(draft):
+                    p, q, labels = batch_logits(draft, target, batch)
+                    loss = step_loss(cfg, p, q, labels)
+                    accelerator.backward(loss)
+                train_run.watch(loss)
+                window["loss"] += float(loss.detach())
+                window["acc"] += float(expected_acceptance(p, q))
+                window["tokens"] += int(batch["attention_mask"].sum())
+                window["batches"] += 1
+                if not accelerator.sync_gradients:
+                    continue
+                grad_norm = accelerator.clip_grad_norm_(
+                    draft.parameters(), cfg.max_grad_norm or math.inf
+                )
+                if not train_run.optimizer_step(step + 1, grad_norm, optimizer, scheduler):
+                    continue  # a non-finite step, skipped (on_nonfinite: skip)
+                step += 1
+                bar.update(1)
+                if step % cfg.log_every == 0 or step == total:
+                    now = time.monotonic()
+                    logs = {
+                        "train/loss": window["loss"] / window["batches"],
+                        "train/expected_acceptance": window["acc"] / window["batches"],
+                        "train/lr": scheduler.get_last_lr()[0],
+                        "train/grad_norm": float(grad_norm),
+                        "train/tokens_per_second": window["tokens"] / max(now - window["t"], 1e-9),
+                        "train/epoch": train_run.position.epoch,
+                    }
+                    train_run.log(step, logs)
+                    bar.set_postfix(
+                        loss=f"{logs['train/loss']:.4f}",
+                        acc=f"{logs['train/expected_acceptance']:.3f}",
+                    )
+                    window = {"loss": 0.0, "acc": 0.0, "tokens": 0, "batches": 0, "t": now}
+                if val_samples and train_run.eval_due(step, total):
+                    validation(step)
+                if train_run.save_due(step):
+                    train_run.save_checkpoint(step)
+                if train_run.finished(step, total):
+                    break
+        bar.close()
+
+        # --- final validation and save --------------------------------------------------------
+        interrupted = train_run.interrupted
+        if not interrupted and val_samples and not train_run.validated(step):
+            validation(step)  # stopped by max_minutes
+        if cfg.save_every or interrupted:
+            train_run.save_checkpoint(step)
+        if interrupted:
+            say(train_run.resume_hint())
+            return None
+        history = train_run.state.validation
+        after = (
+            {k[4:]: v for k, v in history[-1].items() if k.startswith("val/")} if history else None
+        )
+        metrics = {
+            **train_run.summary(step, total),
+            "train_records": len(train_idx),
+            "val_records": len(val_idx),
+            "data_summary": str(summary),
+            "compute_ratio": ratio,
+            "validation_before": train_run.state.extra.get("before"),
+            "final_validation": after,
+            **info,
+        }
+        train_run.write_output("draft", partial(save_to, validation=after))
+        train_run.write_json(train_run.out / "training_metrics.json", metrics)
+        say(
+            f"draft saved to {train_run.out / 'draft'}; metrics in "
+            f"{train_run.out / 'training_metrics.json'}"
+        )
     return metrics
-
-
-def _out_of_time(budget_end: float | None, accelerator) -> bool:
-    """Whether the time budget is spent; rank 0 decides, so every rank stops at the same step."""
-    if budget_end is None:
-        return False
-    from accelerate.utils import broadcast
-
-    flag = torch.tensor([float(time.monotonic() > budget_end)], device=accelerator.device)
-    return bool(broadcast(flag, from_process=0).item())
 
 
 def _loss_name(cfg: DistillConfig) -> str:
@@ -723,17 +532,19 @@ def _fmt_metrics(m: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = parse_config(DistillConfig, argv, prog="draftsmith distill", description=__doc__)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        run(cfg)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    """CLI entry: 0 done (or stopped with a checkpoint), 2 usage error, 1 run error."""
+
+    def run_recipe(args: list[str]) -> int:
+        cfg = parse_config(
+            DistillConfig, args, prog="draftsmith train distill", description=__doc__
+        )
+
+        with input_errors():  # missing/malformed data, target: one line, exit 2
+            run(cfg)
+        return 0
+
+    # A worker of a multi-process run ends here, without interpreter teardown (see exit_process).
+    return exit_process(cli_main(run_recipe, argv))
 
 
 if __name__ == "__main__":

@@ -13,13 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.recipes.distill import (
-    DistillConfig,
-    is_on_policy_step,
-    latest_checkpoint,
-    main,
-    on_policy_batch,
-)
+from draftsmith.recipes.distill import DistillConfig, is_on_policy_step, main, on_policy_batch
+from draftsmith.train.core.checkpoint import finished_checkpoints
 from draftsmith.train.hidden_states import collate_hidden_states
 from tests.conftest import byte_tokenizer
 
@@ -70,7 +65,7 @@ def tied_target_dir(path: Path) -> Path:
 def base_args(tmp_path: Path, target_dir: Path, out: str, *extra: str) -> list[str]:
     return ["--target", str(target_dir), "--data", str(write_chat(tmp_path / "chat.jsonl")),
             "--output-dir", str(tmp_path / out), "--draft-layers", "0", "--batch-size", "4",
-            "--lr", "1e-2", "--warmup-ratio", "0", "--val-fraction", "0.2", "--log-every", "1",
+            "--lr", "1e-2", "--warmup-ratio", "0", "--val-samples", "4", "--log-every", "1",
             "--no-progress", "--threads", "1", "--seed", "3", *extra]  # fmt: skip
 
 
@@ -81,11 +76,14 @@ def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
                      "--save-every", "4", "--keep-checkpoints", "1", "--loss", "tvd")  # fmt: skip
     assert main(argv) == 0
     out = tmp_path / "run"
-    metrics = json.loads((out / "metrics.json").read_text())
-    val = metrics["validation"]
-    assert metrics["steps"] == 8 and metrics["val_records"] == 4  # 20% of the 22 train records
-    assert val["after"]["expected_acceptance"] > val["before"]["expected_acceptance"]
-    assert [h["step"] for h in val["history"]] == [4, 8]
+    metrics = json.loads((out / "training_metrics.json").read_text())
+    before, after = metrics["validation_before"], metrics["final_validation"]
+    assert metrics["steps"] == 8 and metrics["val_records"] == 4
+    assert after["expected_acceptance"] > before["expected_acceptance"]
+    assert [h["step"] for h in metrics["validation"]] == [4, 8]
+    # The training loss is in the metrics, one entry per logged step.
+    assert [e["step"] for e in metrics["train_log"]] == list(range(1, 9))
+    assert all(e["train/loss"] > 0 for e in metrics["train_log"])
     assert 0 < metrics["compute_ratio"] < 1
     # Only the newest checkpoint is kept; the draft loads as a plain HF model with tokenizer.
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_8"]
@@ -93,7 +91,7 @@ def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
     assert draft.config.num_hidden_layers == 1
     assert (out / "draft" / "tokenizer.json").is_file()
     card = (out / "draft" / "README.md").read_text()
-    assert str(tiny_target_dir) in card and f"{val['after']['expected_acceptance']:.4f}" in card
+    assert str(tiny_target_dir) in card and f"{after['expected_acceptance']:.4f}" in card
 
 
 def test_resume_continues_exactly_where_it_paused(tmp_path):
@@ -102,13 +100,12 @@ def test_resume_continues_exactly_where_it_paused(tmp_path):
     # A tied target (like SmolLM2): checkpoints and the saved draft must keep the tie.
     tiny_target_dir = tied_target_dir(tmp_path / "tied")
     # 2 epochs of 5 batches + gradient accumulation 2: the pause lands mid-epoch.
-    common = ["--max-steps", "6", "--gradient-accumulation-steps", "2", "--save-every", "0",
+    common = ["--max-steps", "6", "--grad-accum", "2", "--save-every", "0",
               "--eval-every", "0"]  # fmt: skip
     assert main(base_args(tmp_path, tiny_target_dir, "straight", *common, "--no-resume")) == 0
     paused = base_args(tmp_path, tiny_target_dir, "paused", *common)
     assert main([*paused, "--stop-after-steps", "4"]) == 0
-    ckpt = latest_checkpoint(tmp_path / "paused")
-    assert ckpt is not None and ckpt.name == "step_4"
+    assert [s for s, _ in finished_checkpoints(tmp_path / "paused")] == [4]
     assert not (tmp_path / "paused" / "draft").exists()  # paused: no final draft yet
     assert main(paused) == 0
     a = load_file(tmp_path / "straight" / "draft" / "model.safetensors")
@@ -116,7 +113,7 @@ def test_resume_continues_exactly_where_it_paused(tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    assert json.loads((tmp_path / "paused" / "metrics.json").read_text())["steps"] == 6
+    assert json.loads((tmp_path / "paused" / "training_metrics.json").read_text())["steps"] == 6
     draft = AutoModelForCausalLM.from_pretrained(tmp_path / "paused" / "draft")
     assert draft.lm_head.weight is draft.model.embed_tokens.weight
 
@@ -188,14 +185,14 @@ def test_two_cpu_processes_complete_and_resume(tmp_path, tiny_target_dir):
                      "--eval-every", "2", "--report-to", "wandb")  # fmt: skip
     first = _launch(*argv, "--stop-after-steps", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert latest_checkpoint(tmp_path / "ddp").name == "step_2"
+    assert [s for s, _ in finished_checkpoints(tmp_path / "ddp")] == [2]
     second = _launch(*argv, cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step_2" in second.stdout
-    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
-    assert metrics["num_processes"] == 2 and metrics["steps"] == 4
-    val = metrics["validation"]
-    assert val["after"]["expected_acceptance"] > val["before"]["expected_acceptance"]
+    metrics = json.loads((tmp_path / "ddp" / "training_metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["steps"] == 4
+    before, after = metrics["validation_before"], metrics["final_validation"]
+    assert after["expected_acceptance"] > before["expected_acceptance"]
     assert (tmp_path / "ddp" / "draft" / "model.safetensors").is_file()
 
 
@@ -210,7 +207,7 @@ def test_pretokenized_data_dir(tmp_path, tiny_target_dir):
     argv = base_args(tmp_path, tiny_target_dir, "tok_run", "--max-steps", "2", "--save-every", "0")
     argv[argv.index("--data") + 1] = str(tokenized)
     assert main(argv) == 0
-    metrics = json.loads((tmp_path / "tok_run" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "tok_run" / "training_metrics.json").read_text())
     assert metrics["train_records"] + metrics["val_records"] == 22  # the 22 train-split records
 
 
@@ -218,6 +215,6 @@ def test_time_budget_ends_training_with_a_saved_draft(tmp_path, tiny_target_dir)
     argv = base_args(tmp_path, tiny_target_dir, "budget", "--max-steps", "50", "--max-minutes",
                      "1e-6", "--save-every", "0")  # fmt: skip
     assert main(argv) == 0
-    metrics = json.loads((tmp_path / "budget" / "metrics.json").read_text())
+    metrics = json.loads((tmp_path / "budget" / "training_metrics.json").read_text())
     assert metrics["steps"] == 1 and metrics["total_steps"] == 50
     assert (tmp_path / "budget" / "draft" / "model.safetensors").is_file()

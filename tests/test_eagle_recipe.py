@@ -91,8 +91,13 @@ def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir, version):
     # Resume: ask for more steps; the run continues from step 6, not from scratch.
     assert train_eagle(base_args(tmp_path, tiny_target_dir, version, max_steps=8)) == 0
     resumed = json.loads((run / "training_metrics.json").read_text())
-    assert resumed["steps"] == 8
-    assert resumed["train_log"][0]["step"] > 6
+    assert resumed["steps"] == 8 and resumed["resumed_from"] == 6
+    # The history before the resume is kept: one log entry per logged step, none twice.
+    assert [e["step"] for e in resumed["train_log"]] == [2, 4, 6, 8]
+    assert [v["step"] for v in resumed["validation"]] == [3, 6, 8]
+    assert all(1 <= v["val/sim_tau"] <= 1 + (3 if version == 3 else 1)
+               for v in resumed["validation"])  # fmt: skip
+    assert resumed["best"]["step"] in (3, 6, 8) and (run / "best" / "config.json").is_file()
 
     # The trained drafter plugs into the evaluation; greedy output stays the target's own.
     out = tmp_path / "eval.json"
@@ -140,4 +145,5 @@ def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
-    assert metrics["steps"] == 6 and metrics["train_log"][0]["step"] > 4
+    assert metrics["steps"] == 6 and metrics["resumed_from"] == 4
+    assert [e["step"] for e in metrics["train_log"]] == [2, 4, 6]

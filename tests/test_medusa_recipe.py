@@ -126,12 +126,12 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
     assert train_medusa(args(tmp_path, tiny_target_dir, max_steps=6)) == 0
     metrics = json.loads((run / "training_metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["resumed_from"] == 4
-    assert [e["step"] for e in metrics["train_log"]] == [6]
+    assert [e["step"] for e in metrics["train_log"]] == [2, 4, 6]  # history kept over the resume
     assert not torch.equal(load_medusa(run / "heads").blocks[0].layers[0].weight,
                            heads.blocks[0].layers[0].weight)  # fmt: skip
     # Without resume, a finished run is not overwritten by accident.
-    assert train_medusa(args(tmp_path, tiny_target_dir, resume=False)) == 1
-    assert "already holds a Medusa run" in capsys.readouterr().err
+    assert train_medusa(args(tmp_path, tiny_target_dir, resume=False)) == 2
+    assert "already holds a medusa run" in capsys.readouterr().err
 
     target, _ = load_target(tiny_target_dir)
     prompt = torch.tensor([[5, 6, 7, 8]])
@@ -143,16 +143,14 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
 
 
 def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
-    from draftsmith.recipes.medusa import load_tokens
+    from draftsmith.train.core.data import load_samples
+    from draftsmith.train.data import template_fingerprint
     from draftsmith.train.hidden_states import build_cache
 
     assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
-    cfg = load_config(MedusaConfig, overrides={"data": tmp_path / "data.jsonl", "split": "all",
-                                               "max_length": 96})  # fmt: skip
     target, tokenizer = load_target(tiny_target_dir)
-    from draftsmith.train.data import template_fingerprint
-
-    build_cache(target, load_tokens(cfg, tokenizer), tmp_path / "cache", [4], dtype="fp32",
+    tokens, _ = load_samples(tmp_path / "data.jsonl", tokenizer, max_length=96, split="all")
+    build_cache(target, tokens, tmp_path / "cache", [4], dtype="fp32",
                 template_fingerprint=template_fingerprint(tokenizer), progress=False)  # fmt: skip
     offline = args(tmp_path, tiny_target_dir, save_every=0, hidden_states="offline",
                    hidden_states_cache=tmp_path / "cache", output_dir=tmp_path / "off")  # fmt: skip
@@ -222,5 +220,5 @@ def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
     metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["resumed_from"] == 4 and metrics["processes"] == 2
     # Validation counts were summed over both processes (each took half the samples).
-    assert sum(metrics["validation"]["positions"]) > 0
+    assert sum(metrics["final_validation"]["positions"]) > 0
     assert list((tmp_path / "run").glob("wandb/offline-run-*")), "W&B offline run missing"
