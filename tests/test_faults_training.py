@@ -301,6 +301,15 @@ def test_starting_over_an_eagle_run_needs_overwrite(tmp_path, tiny_target_dir, c
     assert metrics["steps"] == 2 and metrics["resumed_from"] is None
 
 
+def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path, tiny_target_dir):
+    run = tmp_path / "run"
+    (run / "checkpoints" / ".step_2.tmp").mkdir(parents=True)  # a save killed half-way
+    (run / "best").mkdir()
+    assert eagle(eagle_args(tmp_path, tiny_target_dir, save_every=2, max_steps=2)) == 0
+    assert [s for s, _ in finished_checkpoints(run)] == [2]
+    assert not (run / "checkpoints" / ".step_2.tmp").exists()
+
+
 def test_resume_falls_back_from_a_truncated_checkpoint(tmp_path, tiny_target_dir, capsys):
     run = tmp_path / "run"
     assert eagle(eagle_args(tmp_path, tiny_target_dir, save_every=2, max_steps=4)) == 0

@@ -159,10 +159,14 @@ class TrainRun:
                 target = self.out / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink()
             return
-        if outputs and not (self.cfg.resume and checkpoints):
+        # What shows a run was here: a finished checkpoint or a final output. A run killed before
+        # its first checkpoint (only temp dirs, maybe best/) is simply started again.
+        held = [n for n in outputs if n not in (ckpt.CHECKPOINTS, BEST)]
+        held += [ckpt.CHECKPOINTS] if checkpoints else []
+        if held and not (self.cfg.resume and checkpoints):
             why = "resume is off" if not self.cfg.resume else "it has no checkpoint to resume"
             raise UsageError(
-                f"{self.out} already holds a {self.recipe} run ({', '.join(outputs)}) and "
+                f"{self.out} already holds a {self.recipe} run ({', '.join(held)}) and "
                 f"{why}: set resume to continue it, choose another output_dir, or pass "
                 "--no-resume --overwrite to start over (deletes it)"
             )
