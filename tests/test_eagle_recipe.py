@@ -95,8 +95,8 @@ def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir, version):
     # The history before the resume is kept: one log entry per logged step, none twice.
     assert [e["step"] for e in resumed["train_log"]] == [2, 4, 6, 8]
     assert [v["step"] for v in resumed["validation"]] == [3, 6, 8]
-    assert all(1 <= v["val/sim_tau"] <= 1 + (3 if version == 3 else 1)
-               for v in resumed["validation"])  # fmt: skip
+    steps = 3 if version == 3 else 1
+    assert all(1 <= v["val/sim_tau"] <= 1 + steps for v in resumed["validation"])
     assert resumed["best"]["step"] in (3, 6, 8) and (run / "best" / "config.json").is_file()
 
     # The trained drafter plugs into the evaluation; greedy output stays the target's own.
