@@ -31,7 +31,7 @@ import torch
 from draftsmith.heads.draft_lm import DraftLM, check_vocab_compatible, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, parse_config
-from draftsmith.train.draft_length import AdaptiveDraftLength
+from draftsmith.train.draft_length import AdaptiveDraftLength, load_cost_profile
 from draftsmith.train.hf_assisted import HFAssisted
 from draftsmith.train.kernels import flatten_linear_inputs
 from draftsmith.train.metrics import results_table, summarize
@@ -112,6 +112,10 @@ class EvalConfig:
         False,
         help="pick each step's draft length (<= k) from measured acceptance and costs (our "
         "drafters; hf-assisted keeps its own schedule, see hf_assistant)",
+    )
+    cost_profile: Path | None = cfg_field(
+        None,
+        help="adaptive_k: verify costs measured by scripts/bench_forward.py (JSON) to start from",
     )
     hf_assistant: str = cfg_field(
         "constant",
@@ -298,8 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     eos = {tokenizer.eos_token_id, *_as_list(target.generation_config.eos_token_id)} - {None}
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
     # One policy per drafter for the whole run: what it learns carries across prompts.
+    costs = None
+    if cfg.cost_profile is not None:
+        costs = load_cost_profile(cfg.cost_profile, cfg.dtype, torch.get_num_threads())
     policies = [
-        AdaptiveDraftLength(cfg.k)
+        AdaptiveDraftLength(cfg.k, cost_profile=costs)
         if cfg.adaptive_k and d is not None and not isinstance(d, HFAssisted)  # HF: own schedule
         else None
         for d in drafters

@@ -82,3 +82,26 @@ def test_adaptive_length_keeps_greedy_output_identical(target, seed):
         for _ in range(2):  # the policy carries over between sequences
             out = generate(target, prompt, drafter, k=6, max_new_tokens=40, draft_length=policy)
             assert out.tokens == ref
+
+
+def test_cost_profile_seeds_verify_costs(tmp_path):
+    import json
+
+    import pytest
+
+    from draftsmith.train.draft_length import AdaptiveDraftLength, load_cost_profile
+
+    path = tmp_path / "forward_cost.json"
+    chain = {"1": 50.0, "2": 51.0, "4": 52.0, "6": 54.0}
+    path.write_text(json.dumps({"profile": {"bfloat16": {"1": {"chain": chain}, "2": {}}}}))
+    costs = load_cost_profile(path, "bfloat16", threads=1)
+    assert costs == {1: 0.05, 2: 0.051, 4: 0.052, 6: 0.054}
+    with pytest.raises(ValueError, match="float32"):
+        load_cost_profile(path, "float32", threads=1)
+    # Nearly flat verify cost: with a confident drafter, the first choice is already the full k.
+    policy = AdaptiveDraftLength(5, prior_accept=0.8, cost_profile=costs)
+    assert policy.choose(5) == 5
+    # A steep profile (fp32-like: 2 tokens cost 1.7x one) makes the same drafter draft less.
+    steep = AdaptiveDraftLength(5, prior_accept=0.3, cost_profile={1: 0.06, 2: 0.1, 6: 0.11})
+    flat = AdaptiveDraftLength(5, prior_accept=0.3, cost_profile={1: 0.06, 2: 0.06, 6: 0.066})
+    assert steep.choose(5) < flat.choose(5)

@@ -19,6 +19,9 @@ come out (acceptance is lossless for any n), only how fast.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 class AdaptiveDraftLength:
     """Online estimates of acceptance and costs, and the draft length they favour.
@@ -33,6 +36,9 @@ class AdaptiveDraftLength:
         decay: per-step forgetting factor of the acceptance counts (adapts within a sequence).
         explore_every: probe with a one-token draft after this many plain steps in a row.
         max_explore_every: the probe interval doubles after each rejected probe up to this.
+        cost_profile: measured seconds per target forward by width (``{tokens: s}``, e.g. from
+            :func:`load_cost_profile`); seeds the verify-cost estimates, which measurements then
+            refine. Without it the first steps extrapolate from a guessed slope.
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class AdaptiveDraftLength:
         decay: float = 0.99,
         explore_every: int = 8,
         max_explore_every: int = 128,
+        cost_profile: dict[int, float] | None = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
@@ -54,7 +61,8 @@ class AdaptiveDraftLength:
         self._probing = False
         self.hits = [0.0] * k
         self.trials = [0.0] * k
-        self.verify_time: dict[int, float] = {}  # tokens in the forward -> EMA seconds
+        # tokens in the forward -> EMA seconds
+        self.verify_time: dict[int, float] = dict(cost_profile or {})
         self.draft_time_per_token: float | None = None
         self._plain_streak = 0
         self.chosen: list[int] = []  # history, for reports
@@ -136,3 +144,28 @@ class AdaptiveDraftLength:
                 self.trials[j] += 1.0
             for j in range(accepted):
                 self.hits[j] += 1.0
+
+
+def load_cost_profile(path: str | Path, dtype: str, threads: int) -> dict[int, float]:
+    """Seconds per chain-verify forward by width, from ``scripts/bench_forward.py``'s JSON.
+
+    Args:
+        path: the benchmark's JSON file.
+        dtype: ``float32`` or ``bfloat16``.
+        threads: torch threads the evaluation runs with (the nearest measured count is used).
+
+    Returns:
+        ``{width: seconds}``.
+
+    Raises:
+        ValueError: naming the file when it holds no profile for ``dtype``.
+    """
+    data = json.loads(Path(path).read_text())
+    per_threads = data.get("profile", {}).get(dtype)
+    if not per_threads:
+        raise ValueError(
+            f"{path}: no cost profile for dtype {dtype} (has {list(data.get('profile', {}))})"
+        )
+    nearest = min(per_threads, key=lambda t: abs(int(t) - threads))
+    chain = per_threads[nearest]["chain"]
+    return {int(w): ms / 1000.0 for w, ms in chain.items()}
