@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
@@ -89,11 +90,14 @@ def _checkpoint(fmt: str, tmp_path: Path, target_dir: Path, target, bad: float) 
         return save_drafter(drafter, tmp_path / "drafter"), "fc.weight"
     if fmt in ("medusa-vllm", "medusa"):
         heads = MedusaHeads.from_target(model, 2, 1)
-        with torch.no_grad():
-            heads.blocks[1].layers[0].weight[2, 2] = bad
         heads.save(tmp_path / "heads", extra={"target_name_or_path": str(target_dir)})
-        name = "blocks.1.layers.0.weight" if fmt == "medusa-vllm" else "1.0.linear.weight"
-        return tmp_path / "heads", name
+        # save() refuses non-finite heads, so the bad value is written into the file (as a
+        # checkpoint from an older version, or a damaged one, would hold it).
+        weights = tmp_path / "heads" / "model.safetensors"
+        state = safetensors.torch.load_file(weights)
+        state["blocks.1.layers.0.weight"][2, 2] = bad
+        safetensors.torch.save_file(state, weights)
+        return tmp_path / "heads", "blocks.1.layers.0.weight"
     draft = pruned_draft(model, [0, 3]).eval()
     with torch.no_grad():
         draft.model.layers[1].mlp.down_proj.weight[0, 0] = bad
@@ -171,7 +175,6 @@ def test_export_disk_full_keeps_the_old_export(
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
     # The write itself fails: safetensors (EAGLE, Medusa) or save_pretrained (hf).
-    import safetensors.torch
     import transformers
 
     monkeypatch.setattr(safetensors.torch, "save_file", _enospc)
@@ -527,8 +530,6 @@ def _build(model, out, **kw):
 
 
 def test_cache_build_lock_and_disk_full_mid_build(tmp_path, monkeypatch):
-    import safetensors.torch
-
     model = tiny_llama(seed=0)
     out = tmp_path / "c"
     with output_lock(out, "cache build"), pytest.raises(OutputLockedError) as err:

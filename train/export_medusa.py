@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, MedusaHeads, load_medusa
+from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, WEIGHTS_FILE, MedusaHeads, load_medusa
 from draftsmith.train.export import (
     ExportError,
     MissingCheckpointError,
@@ -72,10 +72,22 @@ def _atomic_dir(
     return Path(out_dir)
 
 
+def _refuse_non_finite(weights: Path) -> None:
+    """NaN/inf heads are a failed run (exit 1, tensors named), not an unreadable checkpoint."""
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(weights))
+    except Exception:  # missing or damaged: load_medusa below says what is wrong
+        return
+    check_finite(state, str(weights))
+
+
 def _load_heads(src_dir: Path) -> tuple[Path, MedusaHeads, dict[str, Any]]:
     """The heads directory (``src_dir`` or its ``heads/``), the heads and their config."""
     if not (src_dir / "config.json").is_file() and (src_dir / "heads" / "config.json").is_file():
         src_dir = src_dir / "heads"  # the recipe's output_dir
+    _refuse_non_finite(src_dir / WEIGHTS_FILE)
     try:
         heads = load_medusa(src_dir)
         src_config = json.loads((src_dir / "config.json").read_text())
