@@ -333,13 +333,13 @@ def test_export_reloads_identically_and_drives_hf_assisted_generation(tmp_path):
 
 
 def test_config_validation_names_every_bad_field():
-    argv = ["--lr", "-1", "--batch-size", "0", "--val-fraction", "1.5", "--jsd-beta", "1",
+    argv = ["--lr", "-1", "--batch-size", "0", "--val-samples", "-1", "--jsd-beta", "1",
             "--ce-weight", "2", "--draft-init", "path", "--on-policy-fraction", "2",
             "--temperature", "0", "--draft-layers", "1", "1", "--max-steps", "0"]  # fmt: skip
     with pytest.raises(ConfigError) as err:
         parse_config(DistillConfig, argv)
     fields = {f for f, _ in err.value.problems}
-    assert fields == {"lr", "batch_size", "val_fraction", "jsd_beta", "ce_weight", "draft_model",
+    assert fields == {"lr", "batch_size", "val_samples", "jsd_beta", "ce_weight", "draft_model",
                       "on_policy_fraction", "temperature", "max_steps", "data"}  # fmt: skip
     # draft_layers are only checked for a pruned draft; a pruned draft with repeats is refused.
     with pytest.raises(ConfigError, match="draft_layers: need distinct"):
