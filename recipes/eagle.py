@@ -83,6 +83,12 @@ class EagleTrainConfig(TrainConfig):
     hidden_states_cache: Path | None = cfg_field(
         None, help="offline: cache directory written by `draftsmith data cache`"
     )
+    target_dtype: str = cfg_field(
+        "fp32",
+        help="target weights dtype for online features and the label head (bf16: ~2x faster "
+        "wide forwards on AVX512-BF16/AMX CPUs and GPUs; the drafter keeps fp32 master weights)",
+        choices=["fp32", "bf16"],
+    )
     aux_layers: list[int] | None = cfg_field(
         None,
         help="EAGLE-3 fused layers as HF hidden_states indices (i = input to layer i); default "
@@ -146,7 +152,8 @@ def train(cfg: EagleTrainConfig) -> int:
         accelerator, say = run.accelerator, run.say
 
         # --- target (frozen) ------------------------------------------------------------------
-        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.target_dtype]
+        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
         target.requires_grad_(False).eval().to(accelerator.device)
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
         if cfg.aux_layers is not None and max(cfg.aux_layers) > num_layers:

@@ -30,7 +30,8 @@ From them, with the names of ``docs/metrics.md``:
 
 Prompts are decoded one at a time (batch size 1, the setting our own loop measures), so
 ``tokens_per_second`` is single-stream speed, prefill included; ``speedup`` divides it by the
-plain run's. Both runs are fp32 with ``enforce_eager=True``.
+plain run's. Both runs use ``--dtype`` (float32 by default, or bfloat16) with
+``enforce_eager=True``.
 
 Usage (the venv's python; a speculators-format export needs only ``--draft``)::
 
@@ -99,6 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--limit", type=int, default=4, help="number of prompts (0 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument(
         "--kv-cache-mb",
@@ -300,7 +302,7 @@ def run_phase(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(
         model=args.target,
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=True,
         seed=0,
         max_model_len=args.max_model_len,
@@ -378,6 +380,8 @@ def spawn_phase(args: argparse.Namespace, phase: str, prompts_file: str, out_fil
         str(args.k),
         "--max-new-tokens",
         str(args.max_new_tokens),
+        "--dtype",
+        args.dtype,
         "--max-model-len",
         str(args.max_model_len),
         "--kv-cache-mb",
@@ -488,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             "split": args.split,
             "num_prompts": len(prompts),
             "max_new_tokens": args.max_new_tokens,
-            "dtype": "float32",
+            "dtype": args.dtype,
             "enforce_eager": True,
             "temperature": 0.0,
             "batch_size": 1,

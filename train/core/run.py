@@ -233,6 +233,9 @@ class TrainRun:
                 f"{self.state.epoch}, batch {self.state.batches})"
             )
         self._invocation_start = self.state.step
+        # Training time before this invocation: learning curves are plotted against total
+        # minutes across resumes.
+        self._seconds_before = float(self.state.extra.get("train_seconds", 0.0))
         if self.resumed_from is not None:
             self._saved = (self.state.step, len(self.state.validation))
 
@@ -246,6 +249,7 @@ class TrainRun:
             return None
         self.state.step = step
         self.state.epoch, self.state.batches = self.position.epoch, self.position.batches
+        self.state.extra["train_seconds"] = self.train_seconds()
         path = ckpt.save_checkpoint(
             self.accelerator, self.out, self.state, self.cfg.keep_checkpoints
         )
@@ -358,8 +362,13 @@ class TrainRun:
 
     # --- logs, validation, best drafter -------------------------------------------------------
 
+    def train_seconds(self) -> float:
+        """Seconds of this run so far, every resumed invocation included."""
+        return getattr(self, "_seconds_before", 0.0) + time.monotonic() - self.started
+
     def log(self, step: int, logs: dict[str, float]) -> None:
         """Send training logs to the tracker and keep them in the run's history."""
+        logs = {**logs, "train/minutes": self.train_seconds() / 60}
         self.accelerator.log(logs, step=step)
         self.state.train_log.append(finite_json({"step": step, **logs}))
 
@@ -379,7 +388,7 @@ class TrainRun:
             save_best: writes the drafter into a directory (called on every process, writes on
                 the main one); None: no best drafter is kept.
         """
-        entry = {**metrics, "val/sim_tau": sim_tau}
+        entry = {**metrics, "val/sim_tau": sim_tau, "val/minutes": self.train_seconds() / 60}
         self.accelerator.log(entry, step=step)
         self.state.validation.append(finite_json({"step": step, **entry}))
         best = self.state.best
