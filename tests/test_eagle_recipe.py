@@ -147,3 +147,22 @@ def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
     metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["resumed_from"] == 4
     assert [e["step"] for e in metrics["train_log"]] == [2, 4, 6]
+
+
+def test_bf16_target_and_autocast_train_an_fp32_drafter(tmp_path, tiny_target_dir):
+    """The shipped EAGLE-3 settings: bf16 target features and labels, bf16 autocast; the drafter
+    keeps fp32 master weights, the loss falls and training minutes are logged."""
+    args = base_args(
+        tmp_path, tiny_target_dir, 3, target_dtype="bf16", mixed_precision="bf16", max_steps=8
+    )
+    assert train_eagle(args) == 0
+    run = tmp_path / "run"
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    log = metrics["train_log"]
+    assert log[-1]["train/loss"] < log[0]["train/loss"]
+    assert all(entry["train/minutes"] >= 0 for entry in log)
+    assert [e["train/minutes"] for e in log] == sorted(e["train/minutes"] for e in log)
+    assert all("val/minutes" in v and "val/sim_tau" in v for v in metrics["validation"])
+    target, _ = load_target(tiny_target_dir)
+    drafter = load_drafter(run / "drafter", target)
+    assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in drafter.parameters())
