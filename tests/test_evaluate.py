@@ -151,6 +151,8 @@ def test_cli_help_lists_commands(capsys):
     assert "distill" in capsys.readouterr().out
     assert cli(["data", "nope"]) == 2
     assert "unknown command 'nope'" in capsys.readouterr().err
+    assert cli(["train", "eagel"]) == 2
+    assert "unknown recipe 'eagel' (did you mean 'eagle'?)" in capsys.readouterr().err
 
 
 def test_evaluate_several_drafters_share_one_baseline(tmp_path, tiny_target_dir):

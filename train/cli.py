@@ -47,8 +47,16 @@ def _train(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in TRAIN_RECIPES:
         lines = ["usage: draftsmith train <recipe> [--config FILE] [options]", "", "recipes:"]
         lines += [f"  {name:<10} {text}" for name, (_, text) in TRAIN_RECIPES.items()]
-        print("\n".join(lines), file=sys.stdout if argv else sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        helping = bool(argv) and argv[0] in ("-h", "--help")
+        stream = sys.stdout if helping else sys.stderr
+        if argv and not helping:
+            import difflib
+
+            close = difflib.get_close_matches(argv[0], TRAIN_RECIPES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            print(f"draftsmith train: unknown recipe {argv[0]!r}{hint}", file=stream)
+        print("\n".join(lines), file=stream)
+        return 0 if helping else 2
     import importlib
 
     return importlib.import_module(TRAIN_RECIPES[argv[0]][0]).main(argv[1:])
