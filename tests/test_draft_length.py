@@ -105,3 +105,17 @@ def test_cost_profile_seeds_verify_costs(tmp_path):
     steep = AdaptiveDraftLength(5, prior_accept=0.3, cost_profile={1: 0.06, 2: 0.1, 6: 0.11})
     flat = AdaptiveDraftLength(5, prior_accept=0.3, cost_profile={1: 0.06, 2: 0.06, 6: 0.066})
     assert steep.choose(5) < flat.choose(5)
+
+
+def test_predicted_speedups_by_hand():
+    import pytest
+
+    from draftsmith.train.draft_length import predicted_speedups
+
+    costs = {1: 0.050, 2: 0.052, 4: 0.056, 6: 0.060}
+    got = predicted_speedups([0.5, 0.25, 0.1], costs, draft_seconds_per_token=0.004)
+    # k=1: τ 1.5, verify(2) 52 ms + 4 ms drafting; k=3: τ 1.85, verify(4) 56 + 12 ms.
+    assert got[1] == pytest.approx(1.5 * 0.050 / (0.052 + 0.004))
+    assert got[2] == pytest.approx(1.75 * 0.050 / (0.054 + 0.008))  # width 3 interpolated
+    assert got[3] == pytest.approx(1.85 * 0.050 / (0.056 + 0.012))
+    assert max(got, key=got.get) == 2

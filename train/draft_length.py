@@ -169,3 +169,44 @@ def load_cost_profile(path: str | Path, dtype: str, threads: int) -> dict[int, f
     nearest = min(per_threads, key=lambda t: abs(int(t) - threads))
     chain = per_threads[nearest]["chain"]
     return {int(w): ms / 1000.0 for w, ms in chain.items()}
+
+
+def predicted_speedups(
+    alpha: list[float],
+    costs: dict[int, float],
+    draft_seconds_per_token: float,
+) -> dict[int, float]:
+    """Speedup over plain decoding predicted for each chain length k from measured rates.
+
+    ``speedup(k) = τ(k) · V(1) / (V(k + 1) + k · D)`` with ``τ(k) = 1 + Σ_{i<k} α_i`` (α_i the
+    per-position acceptance rates of a run at k >= that length: a prefix of a longer chain is
+    accepted exactly as often), V the verify cost per width (``costs``, from
+    :func:`load_cost_profile`), D the drafter's time per drafted token. Prefill and the loop's own
+    overhead are left out, so the figures are slightly optimistic for short outputs.
+
+    Args:
+        alpha: α_i per draft position, measured at the longest k considered.
+        costs: seconds per target forward by width; widths without a measurement are
+            interpolated linearly.
+        draft_seconds_per_token: D.
+
+    Returns:
+        ``{k: predicted speedup}`` for k = 1..len(alpha).
+    """
+    known = sorted(costs)
+
+    def verify(width: int) -> float:
+        if width in costs:
+            return costs[width]
+        lo = max((w for w in known if w < width), default=known[0])
+        hi = min((w for w in known if w > width), default=known[-1])
+        if lo == hi:
+            return costs[lo]
+        f = (width - lo) / (hi - lo)
+        return (1 - f) * costs[lo] + f * costs[hi]
+
+    out, tau = {}, 1.0
+    for k, a in enumerate(alpha, start=1):
+        tau += a
+        out[k] = tau * verify(1) / (verify(k + 1) + k * draft_seconds_per_token)
+    return out
