@@ -63,6 +63,11 @@ def _train(argv: list[str]) -> int:
 
 
 DATA_COMMANDS = {
+    "prompts": (
+        "draftsmith.train.magpie",
+        "main_prompts",
+        "make training prompts: the target writes them (Magpie) + shipped + your files, deduped",
+    ),
     "tokenize": (
         "draftsmith.train.data",
         "main_tokenize",
