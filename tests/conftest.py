@@ -44,6 +44,23 @@ def tiny_llama(
     return model
 
 
+def _reset_accelerate_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Every test starts and ends with no Accelerator state: accelerate keeps it process-wide, so
+    a recipe run with ``mixed_precision="bf16"`` would otherwise refuse to start after any earlier
+    test that built an Accelerator without it."""
+    _reset_accelerate_state()
+    yield
+    _reset_accelerate_state()
+
+
 @pytest.fixture
 def target() -> LlamaForCausalLM:
     """A tiny random target (vocab 64, 4 layers)."""

@@ -24,15 +24,6 @@ from draftsmith.train.errors import RunError, UsageError
 from draftsmith.train.metrics import simulated_tau
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 @dataclass
 class _Ranged:
     lr: float = cfg_field(1e-3, help="lr", gt=0)

@@ -24,16 +24,6 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "to"
          "who", "was", "red", "blue", "tall"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator (the state is a process-wide singleton)."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def write_chat(path: Path, n: int = 24) -> Path:
     """``n`` short chat records (messages shape, integer ids: id % 10 == 9 is held out)."""
     g = torch.Generator().manual_seed(0)

@@ -29,16 +29,6 @@ from tests.test_eagle_recipe import base_args, write_records
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator (the state is a process-wide singleton)."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def eagle_args(tmp_path, target_dir, version: int = 1, **over) -> list[str]:
     """A small EAGLE run: no validation, no checkpoints unless asked, log lines instead of a bar."""
     values = {"eval_every": 0, "save_every": 0, "log_every": 1, "val_samples": 2}

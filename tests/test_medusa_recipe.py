@@ -42,16 +42,6 @@ WORDS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator (accelerate keeps process-wide state)."""
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def write_records(path: Path, n: int = 24) -> Path:
     """Chat records with repetitive answers (learnable in a few steps)."""
     with open(path, "w") as f:
