@@ -108,32 +108,23 @@ def _data(argv: list[str]) -> int:
 
 
 def _quickstart(argv: list[str]) -> int:
-    """The main job on the embedded default: prepare SmolLM2, evaluate n-gram drafting on it.
+    """The main job on one target: prompts -> answers -> cache -> EAGLE-3 -> evaluate -> export.
 
-    Later stages (train -> evaluate -> export) join here as their recipes land.
+    Each stage is one of the commands below, called through this dispatch
+    (``draftsmith.train.quickstart``).
     """
-    import argparse
+    from draftsmith.train.quickstart import main
 
-    from draftsmith.recipes.evaluate import main as evaluate
-    from draftsmith.train.target import main_prepare_target
-
-    parser = argparse.ArgumentParser(
-        prog="draftsmith quickstart",
-        description="Prepare the default target (SmolLM2-135M-Instruct) and evaluate n-gram "
-        "speculative decoding on the project's held-out prompts; extra flags go to evaluate.",
-    )
-    parser.add_argument("--out-dir", default="results", help="where results JSON files go")
-    args, rest = parser.parse_known_args(argv)
-    code = main_prepare_target([])
-    if code:
-        return code
-    return evaluate(["--drafter", "ngram", "--out", f"{args.out_dir}/quickstart_ngram.json", *rest])
+    return main(argv)
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "quickstart": (_quickstart, "the main job end to end on the default target (start here)"),
+    "quickstart": (
+        _quickstart,
+        "start here: train, evaluate and export an EAGLE-3 drafter in one command",
+    ),
     "prepare-target": (_prepare_target, "convert/cache a target model (default: SmolLM2-135M)"),
-    "data": (_data, "data stages: distill, tokenize, cache (hidden states), vocab"),
+    "data": (_data, "data stages: prompts, distill, tokenize, cache (hidden states), vocab"),
     "train": (_train, "train a drafter: eagle, medusa or distill (the recipes/ files)"),
     "evaluate": (
         _evaluate,
