@@ -409,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
             flags = [p["identical_to_target"] for p in per_prompt[i]]
             result["identical_to_target"] = all(flags)
             result["identical_rate"] = sum(flags) / max(len(flags), 1)
-            result["near_ties"] = [p["divergence"] for p in per_prompt[i] if "divergence" in p]
+            result["near_ties"] = [
+                {"id": p["id"], **p["divergence"]} for p in per_prompt[i] if "divergence" in p
+            ]
         else:
             result["identical_to_target"] = None  # sampled outputs: compared in distribution
         result["per_prompt"] = per_prompt[i]
@@ -633,7 +635,9 @@ def merge_results(paths: list[Path]) -> dict:
         result["identical_to_target"] = None if None in flags else all(flags)
         if None not in flags:
             result["identical_rate"] = sum(flags) / max(len(flags), 1)
-            result["near_ties"] = [p["divergence"] for p in entries if "divergence" in p]
+            result["near_ties"] = [
+                {"id": p["id"], **p["divergence"]} for p in entries if "divergence" in p
+            ]
         result["per_prompt"] = entries
         results.append(result)
     out = dict(results[0]) if len(results) == 1 and "methods" not in first else {"methods": results}

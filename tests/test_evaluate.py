@@ -435,3 +435,48 @@ def test_fp32_drafters_beside_a_bf16_target_stay_lossless(tmp_path, tiny_target_
     assert all(m["dtype"] == "bfloat16" for m in res["methods"])
     # bf16 verification may flip exact ties; exit 0 says every difference was a near-tie.
     assert all(m["identical_rate"] >= 0 for m in res["methods"])
+
+
+@pytest.mark.parametrize("gap, code", [(0.1, 0), (5.0, 1)])
+def test_differing_outputs_are_reported_by_prompt_id(
+    tmp_path, tiny_target_dir, monkeypatch, capsys, gap, code
+):
+    """An output that differs from plain decoding is judged by its logit gap: in bf16 a near-tie
+    is reported (exit 0), a real difference names the prompt ids (exit 1) — never a crash."""
+    import draftsmith.recipes.evaluate as ev
+
+    real_generate = ev.generate
+
+    def wrong_last_token(target, ids, drafter, **kwargs):
+        out = real_generate(target, ids, drafter, **kwargs)
+        if drafter is not None:  # the speculative run ends on a different token
+            out.tokens = [*out.tokens[:-1], (out.tokens[-1] + 1) % 64]
+        return out
+
+    def fixed_gap(target, prompt, plain, spec):
+        return {"position": len(plain) - 1, "logit_gap": gap, "near_tie": gap <= 0.5}
+
+    monkeypatch.setattr(ev, "generate", wrong_last_token)
+    monkeypatch.setattr(ev, "divergence", fixed_gap)
+    result_code, res = _run(
+        tmp_path,
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        "ngram",
+        "--dtype",
+        "bfloat16",
+        "--no-reference-plain",
+        "--max-new-tokens",
+        8,
+        "--limit",
+        2,
+    )
+    assert result_code == code
+    assert res["identical_rate"] == 0.0
+    assert [t["id"] for t in res["near_ties"]] == [p["id"] for p in res["per_prompt"]]
+    err = capsys.readouterr()
+    if code:
+        assert "differs from plain greedy for prompts" in err.err
+    else:
+        assert "each at a near-tie" in err.out
