@@ -151,6 +151,10 @@ class DistillConfig(TrainConfig):
             problems.append(("draft_model", "only used with draft_init: path"))
         return problems
 
+    def input_paths(self) -> dict[str, Path | None]:
+        """``data``, and ``draft_model`` with ``draft_init: path``."""
+        return {"data": self.data, "draft_model": self.draft_model}
+
 
 # --------------------------------------------------------------------------------------------
 # Pieces of the step

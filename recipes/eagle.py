@@ -131,6 +131,12 @@ class EagleTrainConfig(TrainConfig):
             )
         return problems
 
+    def input_paths(self) -> dict[str, Path | None]:
+        """Online: ``data``; offline: ``hidden_states_cache`` only (``data`` is not read)."""
+        if self.hidden_states == "offline":
+            return {"hidden_states_cache": self.hidden_states_cache}
+        return {"data": self.data}
+
 
 def train(cfg: EagleTrainConfig) -> int:
     """Run the recipe; 0 when finished or stopped on purpose (a checkpoint to resume from)."""

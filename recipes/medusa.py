@@ -170,6 +170,14 @@ class MedusaConfig(TrainConfig):
                 problems.append(("data", "online hidden states need training records (data)"))
         return problems
 
+    def input_paths(self) -> dict[str, Path | None]:
+        """``data`` (read whenever set) and, offline, ``hidden_states_cache``."""
+        offline = self.hidden_states == "offline"
+        return {
+            "data": self.data,
+            "hidden_states_cache": self.hidden_states_cache if offline else None,
+        }
+
 
 @torch.no_grad()
 def validate_heads(accelerator, cfg, objective, val_set, collate, features) -> dict[str, Any]:

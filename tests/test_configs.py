@@ -1,7 +1,11 @@
-"""Every shipped YAML config loads into its recipe's config class without a problem."""
+"""Every shipped YAML config loads into its recipe's config class, and its header says, in
+commands that parse, how to make exactly the data it reads; a missing input is one line that
+says which command makes it."""
 
 from __future__ import annotations
 
+import argparse
+import shlex
 from pathlib import Path
 
 import pytest
@@ -10,20 +14,216 @@ from draftsmith.recipes.distill import DistillConfig
 from draftsmith.recipes.eagle import EagleTrainConfig
 from draftsmith.recipes.evaluate import EvalConfig
 from draftsmith.recipes.medusa import MedusaConfig
-from draftsmith.train.config import load_config
+from draftsmith.train.cli import (
+    COMMAND_CONFIGS,
+    DATA_COMMANDS,
+    TRAIN_RECIPES,
+    command_config_class,
+    parse_command,
+)
+from draftsmith.train.config import add_config_arguments, load_config
+from draftsmith.train.core.data import check_inputs
+from draftsmith.train.errors import UsageError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "recipes" / "configs"
 CLASSES = {
     "evaluate": EvalConfig,
     "eagle": EagleTrainConfig,
     "medusa": MedusaConfig,
     "distill": DistillConfig,
 }
+ALL = sorted(CONFIGS.glob("*.yaml"))
+TRAINING = [p for p in ALL if not p.stem.startswith("evaluate")]
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_config_loads(path):
+def _recipe(path: Path) -> str:
     recipe = next((name for name in CLASSES if path.stem.startswith(name)), None)
     assert recipe is not None, f"{path.name}: no config class registered for it in this test"
-    cfg = load_config(CLASSES[recipe], path)
+    return recipe
+
+
+def header_commands(path: Path) -> list[list[str]]:
+    """The ``draftsmith ...`` command lines of a config's leading comment block (``\\`` joins
+    continuation lines), as argv lists without ``draftsmith``."""
+    header = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[1:].strip())
+    commands: list[str] = []
+    continued = False
+    for text in header:
+        if continued:
+            commands[-1] += " " + text.removesuffix("\\").strip()
+        elif text.startswith("draftsmith "):
+            commands.append(text.removesuffix("\\").strip())
+        else:
+            continue
+        continued = text.endswith("\\")
+    return [shlex.split(command)[1:] for command in commands]
+
+
+def _flags(argv: list[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+
+
+def _output(cfg: object) -> Path:
+    """Where a data command writes (``--output`` or ``--out``)."""
+    out = getattr(cfg, "output", None) or getattr(cfg, "out", None)
+    assert out is not None, f"{type(cfg).__name__}: no output field"
+    return Path(out)
+
+
+def _input(cfg: object) -> Path | None:
+    """What a data command reads (``--input`` or ``--data``)."""
+    src = getattr(cfg, "input", None) or getattr(cfg, "data", None)
+    return Path(src) if isinstance(src, (str, Path)) else None
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_shipped_config_loads(path):
+    cfg = load_config(CLASSES[_recipe(path)], path)
     assert cfg is not None
+
+
+def test_every_command_has_a_parse_only_config():
+    assert set(COMMAND_CONFIGS["data"]) == set(DATA_COMMANDS)
+    assert set(COMMAND_CONFIGS["train"]) == set(TRAIN_RECIPES)
+    for group, names in COMMAND_CONFIGS.items():
+        for name in names:
+            assert isinstance(command_config_class(group, name), type)
+    with pytest.raises(UsageError, match="not one of"):
+        parse_command(["data", "nope"])
+
+
+@pytest.mark.parametrize("path", TRAINING, ids=lambda p: p.name)
+def test_header_commands_make_the_configs_data(path, monkeypatch):
+    """The header's data commands parse with their own parsers (no target, nothing run), each
+    reads what the one before wrote, and they write exactly the paths the config reads; the
+    header's train command trains this very config."""
+    monkeypatch.chdir(REPO)  # the headers' relative paths are from the repository root
+    recipe = _recipe(path)
+    cfg = load_config(CLASSES[recipe], path)
+    commands = header_commands(path)
+    data = [argv for argv in commands if argv[0] == "data"]
+    train = [argv for argv in commands if argv[0] == "train"]
+    assert data, f"{path.name}: the header lists no `draftsmith data ...` command"
+    assert {argv[0] for argv in commands} <= {"data", "train"}, commands
+
+    outputs: list[Path] = []
+    for argv in data:
+        config_class = command_config_class(argv[0], argv[1])
+        parser = argparse.ArgumentParser()
+        add_config_arguments(parser, config_class)
+        # Exact option names: argparse would also take an abbreviation (`--out` for --output).
+        unknown = set(_flags(argv[2:])) - set(parser._option_string_actions)
+        assert not unknown, f"{path.name}: `draftsmith {' '.join(argv[:2])}` has no {unknown}"
+        parsed = parse_command(argv)
+        if outputs:  # a chain: each later stage reads an earlier stage's output
+            assert _input(parsed) in outputs, (argv, outputs)
+        outputs.append(_output(parsed))
+    assert data[0][:2] == ["data", "distill"], "the data starts with the target's own answers"
+
+    # The config's data fields are what the commands write (`~` expanded on both sides).
+    for field in ("data", "hidden_states_cache"):
+        value = getattr(cfg, field, None)
+        if value is not None:
+            assert Path(value) in outputs, f"{path.name}: {field}: {value} is made by no command"
+    reads = [Path(p) for p in cfg.input_paths().values() if p is not None]
+    assert outputs[-1] in reads, f"{path.name}: the last command writes {outputs[-1]}, not {reads}"
+
+    assert len(train) == 1, f"{path.name}: the header should end with its train command"
+    assert train[0][1] == recipe
+    trained = parse_command(train[0])
+    assert type(trained) is CLASSES[recipe]
+    assert (REPO / train[0][train[0].index("--config") + 1]).resolve() == path.resolve()
+
+
+def test_shipped_configs_share_one_distilled_file():
+    answers = {
+        str(_output(parse_command(argv)))
+        for path in TRAINING
+        for argv in header_commands(path)
+        if argv[:2] == ["data", "distill"]
+    }
+    assert len(answers) == 1, answers
+    # The README's "Training drafters" shows that command before the train commands.
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Training drafters", 1)[1].split("\n## ", 1)[0]
+    shown = section.split("draftsmith data distill", 1)[1].split("```", 1)[0]
+    argv = ["data", "distill", *shlex.split(shown.replace("\\\n", " "))]
+    assert {str(_output(parse_command(argv)))} == answers
+    assert section.index("draftsmith data distill") < section.index("draftsmith train")
+
+
+def test_header_drift_fails(tmp_path):
+    """A config whose field no longer matches its header is caught by the checks above."""
+    text = (CONFIGS / "eagle1_smollm2.yaml").read_text(encoding="utf-8")
+    drifted = tmp_path / "eagle1_smollm2.yaml"
+    drifted.write_text(text.replace("greedy128.jsonl  # self", "greedy256.jsonl  # self"))
+    cfg = load_config(EagleTrainConfig, drifted)
+    outputs = [_output(parse_command(a)) for a in header_commands(drifted) if a[0] == "data"]
+    assert outputs and all(out.name.endswith("greedy128.jsonl") for out in outputs)
+    assert cfg.data not in outputs
+
+
+# --- a missing input: one line naming the field, the path and the command that makes it ------
+
+
+def test_missing_input_messages(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    missing = tmp_path / ".cache" / "x.jsonl"
+    with pytest.raises(UsageError) as exc:
+        check_inputs({"data": missing, "hidden_states_cache": None})
+    assert str(exc.value) == (
+        "data: ~/.cache/x.jsonl: file not found; make it with `draftsmith data distill --input "
+        "PROMPTS --output ~/.cache/x.jsonl` (the header of each recipes/configs/*.yaml lists the "
+        "exact commands)"
+    )
+    with pytest.raises(UsageError, match=r"^data: ~/tok: not found; .*draftsmith data tokenize"):
+        check_inputs({"data": tmp_path / "tok"})
+    with pytest.raises(UsageError, match=r"^hidden_states_cache: ~/c: not found; .*data cache"):
+        check_inputs({"hidden_states_cache": tmp_path / "c"})
+    (tmp_path / "here.jsonl").write_text("")
+    check_inputs({"data": tmp_path / "here.jsonl", "draft_model": None})
+
+
+def _main(recipe: str):
+    if recipe == "eagle":
+        from draftsmith.recipes.eagle import main
+    elif recipe == "medusa":
+        from draftsmith.recipes.medusa import main
+    else:
+        from draftsmith.recipes.distill import main
+    return main
+
+
+@pytest.mark.parametrize(
+    "recipe, extra, field, command",
+    [
+        ("eagle", [], "data", "draftsmith data distill"),
+        ("medusa", [], "data", "draftsmith data distill"),
+        ("distill", [], "data", "draftsmith data distill"),
+        ("eagle", ["--hidden-states", "offline"], "hidden_states_cache", "draftsmith data cache"),
+        ("medusa", ["--hidden-states", "offline"], "hidden_states_cache", "draftsmith data cache"),
+    ],
+    ids=["eagle", "medusa", "distill", "eagle-cache", "medusa-cache"],
+)
+def test_missing_input_exits_2_naming_field_path_and_command(
+    recipe, extra, field, command, tmp_path, tiny_target_dir, capsys
+):
+    missing = tmp_path / ("nope.jsonl" if field == "data" else "nope_cache")
+    argv = ["--target", str(tiny_target_dir), "--output-dir", str(tmp_path / "out")]
+    argv += ["--max-steps", "1", *extra]
+    if field == "data":
+        argv += ["--data", str(missing)]
+    else:
+        argv += ["--hidden-states-cache", str(missing)]
+    assert _main(recipe)(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"error: {field}: {missing}: "), lines[0]
+    assert command in lines[0] and f"{missing}`" in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()  # refused before anything is written

@@ -13,8 +13,9 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from draftsmith.train.errors import cli_main
+from draftsmith.train.errors import UsageError, cli_main
 
 
 def _prepare_target(argv: list[str]) -> int:
@@ -89,6 +90,65 @@ DATA_COMMANDS = {
         "token frequencies over supervised tokens; EAGLE-3 draft vocabulary (d2t/t2d)",
     ),
 }
+
+
+# The config dataclass each command parses its flags into, by (module, class name): what
+# :func:`parse_command` checks a written command line against without running it.
+COMMAND_CONFIGS: dict[str, dict[str, tuple[str, str]]] = {
+    "data": {
+        "prompts": ("draftsmith.train.magpie", "PromptsConfig"),
+        "tokenize": ("draftsmith.train.data", "TokenizeConfig"),
+        "distill": ("draftsmith.train.self_distill", "DistillConfig"),
+        "cache": ("draftsmith.train.hidden_states", "CacheConfig"),
+        "vocab": ("draftsmith.train.vocab", "VocabConfig"),
+    },
+    "train": {
+        "eagle": ("draftsmith.recipes.eagle", "EagleTrainConfig"),
+        "medusa": ("draftsmith.recipes.medusa", "MedusaConfig"),
+        "distill": ("draftsmith.recipes.distill", "DistillConfig"),
+    },
+}
+
+
+def parse_command(argv: list[str]) -> Any:
+    """Parse a ``draftsmith data ...`` or ``draftsmith train ...`` command line, without running it.
+
+    The command's own parser and config loader (its flags, ``--config`` YAML, the config's
+    ranges and ``validate()``) build its config; no target is loaded, no data read, nothing
+    written. Used to check command lines written in docs and config headers.
+
+    Args:
+        argv: the command line after ``draftsmith``, e.g.
+            ``["data", "distill", "--input", "p.jsonl", "--output", "a.jsonl"]``.
+
+    Returns:
+        The command's config (a dataclass instance, e.g. ``self_distill.DistillConfig``).
+
+    Raises:
+        UsageError: ``argv`` does not name a data or train command.
+        ConfigError: a value the command would refuse (named by field).
+        SystemExit: an unknown flag or a flag without its value (argparse, as the command).
+    """
+    from draftsmith.train.config import parse_config
+
+    group, name = [*argv, "", ""][:2]
+    config_class = command_config_class(group, name)
+    return parse_config(config_class, argv[2:], prog=f"draftsmith {group} {name}")
+
+
+def command_config_class(group: str, name: str) -> type:
+    """The config dataclass of ``draftsmith GROUP NAME`` (e.g. ``data``, ``distill``).
+
+    Raises:
+        UsageError: not a data or train command.
+    """
+    import importlib
+
+    if name not in COMMAND_CONFIGS.get(group, {}):
+        known = ", ".join(f"{g} {n}" for g, names in COMMAND_CONFIGS.items() for n in names)
+        raise UsageError(f"'{group} {name}' is not one of: {known}")
+    module, cls = COMMAND_CONFIGS[group][name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def _data(argv: list[str]) -> int:

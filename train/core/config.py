@@ -97,6 +97,16 @@ class TrainConfig:
     wandb_project: str = cfg_field("draftsmith", help="W&B project")
     progress: bool = cfg_field(True, help="show a progress bar (off: one log line per log_every)")
 
+    def input_paths(self) -> dict[str, Path | None]:
+        """The files and directories this run will read, by config field (``None``: unset).
+
+        :class:`~draftsmith.train.core.run.TrainRun` refuses a run with a missing one before
+        anything is loaded or written, naming the field, the path and the command that makes
+        it (:func:`~draftsmith.train.core.data.check_inputs`). Recipes list their data fields;
+        a field the run will not read (offline features leave ``data`` unread) is left out.
+        """
+        return {}
+
     def validate(self) -> list[tuple[str, str]]:
         """Checks across the shared fields; recipes extend the list with their own."""
         problems = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,63 @@ from draftsmith.train.errors import UsageError
 
 # The command that turns prompts into training data (the answers the target gives).
 DISTILL_HINT = "draftsmith data distill --input <prompts.jsonl> --output <data.jsonl>"
+
+# Where a user finds the exact commands that make a shipped config's inputs.
+HEADERS_HINT = "the header of each recipes/configs/*.yaml lists the exact commands"
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as a user would type it: ``~/...`` under the home directory, shell-quoted."""
+    with contextlib.suppress(ValueError, RuntimeError):
+        rest = path.relative_to(Path.home()).as_posix()
+        if shlex.quote(rest) == rest:  # "~/'a b'" would not expand
+            return f"~/{rest}"
+    return shlex.quote(str(path))
+
+
+def _make_hint(field: str, path: Path) -> str:
+    """How the input of config field ``field`` at ``path`` is made (empty: not ours to make)."""
+    shown = _shown(path)
+    if field == "data" and path.suffix in _DATA_SUFFIXES:
+        return f"make it with `draftsmith data distill --input PROMPTS --output {shown}`"
+    if field == "data":  # a directory: tokenized data (or a folder of record files)
+        return (
+            "make it with `draftsmith data distill --input PROMPTS --output ANSWERS.jsonl` "
+            f"then `draftsmith data tokenize --input ANSWERS.jsonl --output {shown}`"
+        )
+    if field == "hidden_states_cache":
+        return (
+            f"make it with `draftsmith data cache --data TOKENIZED --out {shown}` on the "
+            "answers of `draftsmith data distill` tokenized by `draftsmith data tokenize`"
+        )
+    return ""
+
+
+def check_inputs(inputs: dict[str, Path | None]) -> None:
+    """Refuse a run whose input files or directories do not exist, before anything loads.
+
+    Every recipe gets this through :class:`~draftsmith.train.core.run.TrainRun`, which checks
+    its config's :meth:`~draftsmith.train.core.config.TrainConfig.input_paths`.
+
+    Args:
+        inputs: the paths the run will read, by config field (``None``: not set, not read).
+
+    Raises:
+        UsageError: the first missing one, naming the field, the path and the command that
+            makes it, e.g. ``data: ~/x.jsonl: file not found; make it with `draftsmith data
+            distill --input PROMPTS --output ~/x.jsonl` (the header of ...)``.
+    """
+    for field, path in inputs.items():
+        if path is None:
+            continue
+        path = Path(path).expanduser()
+        if path.exists():
+            continue
+        what = "file not found" if path.suffix in _DATA_SUFFIXES else "not found"
+        hint = _make_hint(field, path)
+        hint = f"; {hint} ({HEADERS_HINT})" if hint else ""
+        raise UsageError(f"{field}: {_shown(path)}: {what}{hint}")
 
 
 def _is_tokenized(path: Path) -> bool:

@@ -45,7 +45,7 @@ from draftsmith.train import safety
 from draftsmith.train.config import config_to_dict, dump_config
 from draftsmith.train.core import checkpoint as ckpt
 from draftsmith.train.core.config import TrainConfig
-from draftsmith.train.core.data import DataPosition
+from draftsmith.train.core.data import DataPosition, check_inputs
 from draftsmith.train.core.dist import any_rank, keep_alive, start_processes, teardown
 from draftsmith.train.core.stop import NonFiniteError, StopSignals, is_finite
 from draftsmith.train.errors import RunError, UsageError
@@ -64,6 +64,10 @@ class TrainRun:
         outputs: the recipe's final outputs under ``output_dir`` (deleted by ``overwrite``, and
             their presence means the dir holds a run).
         find_unused_parameters: DDP option (Medusa-2's warm-up leaves the adapters unused).
+
+    Raises:
+        UsageError: an input the config names (``cfg.input_paths()``) does not exist; the
+            message names the field, the path and the command that makes it.
     """
 
     def __init__(
@@ -83,6 +87,9 @@ class TrainRun:
             set_seed,
         )
 
+        # Missing inputs first: one line saying what makes them, before any process group,
+        # lock or output directory exists.
+        check_inputs(cfg.input_paths())
         self.started = time.monotonic()
         self.cfg = cfg
         self.recipe, self.kind = recipe, kind
