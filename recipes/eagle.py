@@ -10,8 +10,8 @@ Launch::
 
 Then evaluate and export::
 
-    draftsmith evaluate --drafter eagle --drafter-path runs/eagle3_smollm2/drafter --k 5
-    draftsmith export --format speculators --checkpoint runs/eagle3_smollm2/drafter --out out/
+    draftsmith evaluate --drafter eagle=runs/eagle3_smollm2/best --k 3 --dtype bfloat16
+    draftsmith export --format speculators --checkpoint runs/eagle3_smollm2/best --out out/
 
 The recipe reads top to bottom: config -> run (processes, output lock) -> target (frozen) -> data
 and its hidden states (computed online by the target inside the step, or read from a cache built

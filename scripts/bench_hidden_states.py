@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             x[j, : n[j]] = torch.tensor(samples[i]["input_ids"])
             m[j, : n[j]] = 1
         with torch.inference_mode():
-            model(input_ids=x, attention_mask=None if min(n) == width else m, use_cache=False,
-                  logits_to_keep=1)  # fmt: skip
+            model(
+                input_ids=x,
+                attention_mask=None if min(n) == width else m,
+                use_cache=False,
+                logits_to_keep=1,
+            )
 
     plain(batches[-1])  # warm-up
     t_plain = t_cache = 0.0
@@ -96,17 +100,27 @@ def main(argv: list[str] | None = None) -> int:
     tokens = int(lengths.sum())
     result = {
         "benchmark": "hidden_states",
-        "settings": {"layers": layers, "dtype": args.dtype, "batch_tokens": args.batch_tokens,
-                     "samples": args.samples, "tokens": tokens, "batches": len(batches)},
+        "settings": {
+            "layers": layers,
+            "dtype": args.dtype,
+            "batch_tokens": args.batch_tokens,
+            "samples": args.samples,
+            "tokens": tokens,
+            "batches": len(batches),
+        },
         "plain_prefill_tokens_per_second": tokens / t_plain,
         "cache_forward_tokens_per_second": tokens / t_cache,
         "ratio_cache_to_plain": t_plain / t_cache,
         "shard_write_seconds": t_write,
         "bytes_per_token": size / tokens,
         **info,
-    }  # fmt: skip
-    for key in ("plain_prefill_tokens_per_second", "cache_forward_tokens_per_second",
-                "ratio_cache_to_plain", "bytes_per_token"):  # fmt: skip
+    }
+    for key in (
+        "plain_prefill_tokens_per_second",
+        "cache_forward_tokens_per_second",
+        "ratio_cache_to_plain",
+        "bytes_per_token",
+    ):
         print(f"{key}: {result[key]:.3f}")
     if args.out:
         write_json_atomic(args.out, result)

@@ -137,8 +137,15 @@ def _tied_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config).eval()
     model.requires_grad_(False)
     return model
@@ -187,7 +194,11 @@ def test_fresh_draft_from_config(target):
     assert draft.training
     c = draft.config
     assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.intermediate_size) == (
-        1, 16, 2, 24)  # fmt: skip
+        1,
+        16,
+        2,
+        24,
+    )
     assert c.num_key_value_heads == 2 and c.vocab_size == target.config.vocab_size
     check_draft_compatible(draft, target)
     assert draft(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64)
@@ -294,9 +305,14 @@ def test_export_reloads_identically_and_drives_hf_assisted_generation(tmp_path):
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     tok = AutoTokenizer.from_pretrained(target_dir)
     draft = pruned_draft(target, [0, 3]).eval()
-    info = {"target": str(target_dir), "data": "chat.jsonl", "steps": 7,
-            "validation": {"after": {"expected_acceptance": 0.5, "greedy_agreement": 0.25,
-                                     "tokens": 99}}}  # fmt: skip
+    info = {
+        "target": str(target_dir),
+        "data": "chat.jsonl",
+        "steps": 7,
+        "validation": {
+            "after": {"expected_acceptance": 0.5, "greedy_agreement": 0.25, "tokens": 99}
+        },
+    }
     save_draft(draft, None, tmp_path / "run" / "draft", info=info)  # no tokenizer: as a bare dir
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         export_hf(tmp_path / "run", tmp_path / "out")
@@ -333,14 +349,44 @@ def test_export_reloads_identically_and_drives_hf_assisted_generation(tmp_path):
 
 
 def test_config_validation_names_every_bad_field():
-    argv = ["--lr", "-1", "--batch-size", "0", "--val-samples", "-1", "--jsd-beta", "1",
-            "--ce-weight", "2", "--draft-init", "path", "--on-policy-fraction", "2",
-            "--temperature", "0", "--draft-layers", "1", "1", "--max-steps", "0"]  # fmt: skip
+    argv = [
+        "--lr",
+        "-1",
+        "--batch-size",
+        "0",
+        "--val-samples",
+        "-1",
+        "--jsd-beta",
+        "1",
+        "--ce-weight",
+        "2",
+        "--draft-init",
+        "path",
+        "--on-policy-fraction",
+        "2",
+        "--temperature",
+        "0",
+        "--draft-layers",
+        "1",
+        "1",
+        "--max-steps",
+        "0",
+    ]
     with pytest.raises(ConfigError) as err:
         parse_config(DistillConfig, argv)
     fields = {f for f, _ in err.value.problems}
-    assert fields == {"lr", "batch_size", "val_samples", "jsd_beta", "ce_weight", "draft_model",
-                      "on_policy_fraction", "temperature", "max_steps", "data"}  # fmt: skip
+    assert fields == {
+        "lr",
+        "batch_size",
+        "val_samples",
+        "jsd_beta",
+        "ce_weight",
+        "draft_model",
+        "on_policy_fraction",
+        "temperature",
+        "max_steps",
+        "data",
+    }
     # draft_layers are only checked for a pruned draft; a pruned draft with repeats is refused.
     with pytest.raises(ConfigError, match="draft_layers: need distinct"):
         parse_config(DistillConfig, ["--data", "x", "--draft-layers", "2", "2"])
@@ -357,9 +403,16 @@ def test_shipped_smollm2_config_loads_and_is_a_quarter_of_the_target():
     cfg = load_config(DistillConfig, path)
     assert cfg.draft_init == "pruned"
     # SmolLM2-135M's shape (config.json of the converted target), on the meta device.
-    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                          head_dim=64, tie_word_embeddings=True)  # fmt: skip
+    smollm2 = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     draft = LlamaConfig(**{**smollm2.to_dict(), "num_hidden_layers": len(cfg.draft_layers)})
     for context in (0, 128, 512):
         assert compute_ratio(draft, smollm2, context) <= 0.25

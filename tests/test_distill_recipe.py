@@ -20,8 +20,26 @@ from tests.conftest import byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "it", "ran", "to", "see", "dog",
-         "who", "was", "red", "blue", "tall"]  # fmt: skip
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "and",
+    "then",
+    "it",
+    "ran",
+    "to",
+    "see",
+    "dog",
+    "who",
+    "was",
+    "red",
+    "blue",
+    "tall",
+]
 
 
 def write_chat(path: Path, n: int = 24) -> Path:
@@ -42,10 +60,17 @@ def tied_target_dir(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = byte_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         initializer_range=0.1, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -53,17 +78,52 @@ def tied_target_dir(path: Path) -> Path:
 
 
 def base_args(tmp_path: Path, target_dir: Path, out: str, *extra: str) -> list[str]:
-    return ["--target", str(target_dir), "--data", str(write_chat(tmp_path / "chat.jsonl")),
-            "--output-dir", str(tmp_path / out), "--draft-layers", "0", "--batch-size", "4",
-            "--lr", "1e-2", "--warmup-ratio", "0", "--val-samples", "4", "--log-every", "1",
-            "--no-progress", "--threads", "1", "--seed", "3", *extra]  # fmt: skip
+    return [
+        "--target",
+        str(target_dir),
+        "--data",
+        str(write_chat(tmp_path / "chat.jsonl")),
+        "--output-dir",
+        str(tmp_path / out),
+        "--draft-layers",
+        "0",
+        "--batch-size",
+        "4",
+        "--lr",
+        "1e-2",
+        "--warmup-ratio",
+        "0",
+        "--val-samples",
+        "4",
+        "--log-every",
+        "1",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--seed",
+        "3",
+        *extra,
+    ]
 
 
 def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
-    argv = base_args(tmp_path, tiny_target_dir, "run", "--max-steps", "8", "--eval-every", "4",
-                     "--save-every", "4", "--keep-checkpoints", "1", "--loss", "tvd")  # fmt: skip
+    argv = base_args(
+        tmp_path,
+        tiny_target_dir,
+        "run",
+        "--max-steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--save-every",
+        "4",
+        "--keep-checkpoints",
+        "1",
+        "--loss",
+        "tvd",
+    )
     assert main(argv) == 0
     out = tmp_path / "run"
     metrics = json.loads((out / "training_metrics.json").read_text())
@@ -90,8 +150,7 @@ def test_resume_continues_exactly_where_it_paused(tmp_path):
     # A tied target (like SmolLM2): checkpoints and the saved draft must keep the tie.
     tiny_target_dir = tied_target_dir(tmp_path / "tied")
     # 2 epochs of 5 batches + gradient accumulation 2: the pause lands mid-epoch.
-    common = ["--max-steps", "6", "--grad-accum", "2", "--save-every", "0",
-              "--eval-every", "0"]  # fmt: skip
+    common = ["--max-steps", "6", "--grad-accum", "2", "--save-every", "0", "--eval-every", "0"]
     assert main(base_args(tmp_path, tiny_target_dir, "straight", *common, "--no-resume")) == 0
     paused = base_args(tmp_path, tiny_target_dir, "paused", *common)
     assert main([*paused, "--stop-after-steps", "4"]) == 0
@@ -130,15 +189,37 @@ def test_on_policy_schedule_and_batch(tiny_target_dir, tmp_path):
     greedy = draft.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
     assert new["input_ids"][1].tolist() == greedy[0].tolist()
     # A whole run with half of the steps on-policy.
-    argv = base_args(tmp_path, tiny_target_dir, "op", "--max-steps", "2", "--on-policy-fraction",
-                     "0.5", "--on-policy-max-new-tokens", "8", "--save-every", "0")  # fmt: skip
+    argv = base_args(
+        tmp_path,
+        tiny_target_dir,
+        "op",
+        "--max-steps",
+        "2",
+        "--on-policy-fraction",
+        "0.5",
+        "--on-policy-max-new-tokens",
+        "8",
+        "--save-every",
+        "0",
+    )
     assert main(argv) == 0
     assert (tmp_path / "op" / "draft" / "model.safetensors").is_file()
 
 
 def test_bad_inputs_exit_2(tmp_path, tiny_target_dir, capsys):
-    assert main(["--data", str(tmp_path / "nope.jsonl"), "--target", str(tiny_target_dir),
-                 "--output-dir", str(tmp_path / "o")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "--data",
+                str(tmp_path / "nope.jsonl"),
+                "--target",
+                str(tiny_target_dir),
+                "--output-dir",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "nope.jsonl" in capsys.readouterr().err
     assert main(["--lr", "0"]) == 2
     err = capsys.readouterr().err
@@ -158,11 +239,22 @@ def _launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     accelerate = shutil.which("accelerate") or "accelerate"
     try:
         return subprocess.run(
-            [accelerate, "launch", "--config_file", str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
-             "--main_process_port", str(_free_port()), str(REPO / "recipes/distill.py"), *args],
-            capture_output=True, text=True, timeout=300, cwd=cwd,
+            [
+                accelerate,
+                "launch",
+                "--config_file",
+                str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
+                "--main_process_port",
+                str(_free_port()),
+                str(REPO / "recipes/distill.py"),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=cwd,
             env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"},
-        )  # fmt: skip
+        )
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"")[-3000:], (exc.stderr or b"")[-3000:]
         pytest.fail(f"accelerate launch timed out after 300 s; output tail: {out}")
@@ -171,8 +263,19 @@ def _launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.integration
 def test_two_cpu_processes_complete_and_resume(tmp_path, tiny_target_dir):
     """accelerate launch, 2 CPU processes: pause at a checkpoint, resume, finish, save once."""
-    argv = base_args(tmp_path, tiny_target_dir, "ddp", "--max-steps", "4", "--save-every", "2",
-                     "--eval-every", "2", "--report-to", "wandb")  # fmt: skip
+    argv = base_args(
+        tmp_path,
+        tiny_target_dir,
+        "ddp",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "2",
+        "--report-to",
+        "wandb",
+    )
     first = _launch(*argv, "--stop-after-steps", "2", cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert [s for s, _ in finished_checkpoints(tmp_path / "ddp")] == [2]
@@ -192,8 +295,21 @@ def test_pretokenized_data_dir(tmp_path, tiny_target_dir):
 
     chat = write_chat(tmp_path / "chat.jsonl")
     tokenized = tmp_path / "tok"
-    assert main_tokenize(["--input", str(chat), "--output", str(tokenized), "--target",
-                          str(tiny_target_dir), "--split", "train"]) == 0  # fmt: skip
+    assert (
+        main_tokenize(
+            [
+                "--input",
+                str(chat),
+                "--output",
+                str(tokenized),
+                "--target",
+                str(tiny_target_dir),
+                "--split",
+                "train",
+            ]
+        )
+        == 0
+    )
     argv = base_args(tmp_path, tiny_target_dir, "tok_run", "--max-steps", "2", "--save-every", "0")
     argv[argv.index("--data") + 1] = str(tokenized)
     assert main(argv) == 0
@@ -202,8 +318,17 @@ def test_pretokenized_data_dir(tmp_path, tiny_target_dir):
 
 
 def test_time_budget_ends_training_with_a_saved_draft(tmp_path, tiny_target_dir):
-    argv = base_args(tmp_path, tiny_target_dir, "budget", "--max-steps", "50", "--max-minutes",
-                     "1e-6", "--save-every", "0")  # fmt: skip
+    argv = base_args(
+        tmp_path,
+        tiny_target_dir,
+        "budget",
+        "--max-steps",
+        "50",
+        "--max-minutes",
+        "1e-6",
+        "--save-every",
+        "0",
+    )
     assert main(argv) == 0
     metrics = json.loads((tmp_path / "budget" / "training_metrics.json").read_text())
     assert metrics["steps"] == 1 and metrics["total_steps"] == 50

@@ -102,9 +102,26 @@ def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir, version):
     # The trained drafter plugs into the evaluation; greedy output stays the target's own.
     out = tmp_path / "eval.json"
     spec = "eagle=" + str(run / "drafter")
-    assert evaluate(["--target", str(tiny_target_dir), "--drafter", spec, "eagle-tree=" +
-                     str(run / "drafter"), "--k", "3", "--max-new-tokens", "12", "--limit", "2",
-                     "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        evaluate(
+            [
+                "--target",
+                str(tiny_target_dir),
+                "--drafter",
+                spec,
+                "eagle-tree=" + str(run / "drafter"),
+                "--k",
+                "3",
+                "--max-new-tokens",
+                "12",
+                "--limit",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert all(m["identical_to_target"] for m in res["methods"])
 
@@ -130,12 +147,21 @@ def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
 
     def launch(**over):
         return subprocess.run(
-            [accelerate, "launch", "--config_file", str(config), "--main_process_port",
-             str(_free_port()), str(REPO / "recipes/eagle.py"),
-             *base_args(tmp_path, tiny_target_dir, 3, **over)],
-            capture_output=True, text=True, timeout=600,
+            [
+                accelerate,
+                "launch",
+                "--config_file",
+                str(config),
+                "--main_process_port",
+                str(_free_port()),
+                str(REPO / "recipes/eagle.py"),
+                *base_args(tmp_path, tiny_target_dir, 3, **over),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
+        )
 
     proc = launch(max_steps=4, save_every=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -77,10 +77,15 @@ def test_parameter_names_follow_vllm(target):
     heads = MedusaHeads.from_target(target, num_heads=2, num_layers=2)
     names = set(heads.state_dict())
     assert names == {
-        *(f"blocks.{h}.layers.{i}.{w}" for h in range(2) for i in range(2)
-          for w in ("weight", "bias")),
-        "lm_heads.0.weight", "lm_heads.1.weight",
-    }  # fmt: skip
+        *(
+            f"blocks.{h}.layers.{i}.{w}"
+            for h in range(2)
+            for i in range(2)
+            for w in ("weight", "bias")
+        ),
+        "lm_heads.0.weight",
+        "lm_heads.1.weight",
+    }
     shared = MedusaHeads.from_target(target, num_heads=2, num_layers=1, share_lm_head=True)
     assert "lm_head.weight" in shared.state_dict()
     assert not shared.lm_head.weight.requires_grad  # the target's projection stays frozen
@@ -107,10 +112,23 @@ def test_label_positions_are_t_plus_k_plus_2():
     b, t = head_label_positions(loss_mask, 0)
     # Head 0 at position t is supervised where the token at t+2 is.
     assert list(zip(b.tolist(), t.tolist(), strict=True)) == [
-        (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]  # fmt: skip
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (1, 4),
+    ]
     b, t = head_label_positions(loss_mask, 2)  # token t+4
     assert list(zip(b.tolist(), t.tolist(), strict=True)) == [
-        (0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]  # fmt: skip
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+    ]
 
 
 def one_hot_heads(num_heads: int, vocab: int, scale: float = 50.0) -> MedusaHeads:
@@ -353,8 +371,15 @@ def test_sampled_chain_runs_in_the_loop(target):
     heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
     proposer = MedusaProposer(heads, 4, TREE[:6])
     gen = torch.Generator().manual_seed(0)
-    out = generate(target, torch.tensor([[1, 2, 3]]), proposer, k=3, max_new_tokens=20,
-                   sampling=SamplingParams(temperature=1.0), generator=gen)  # fmt: skip
+    out = generate(
+        target,
+        torch.tensor([[1, 2, 3]]),
+        proposer,
+        k=3,
+        max_new_tokens=20,
+        sampling=SamplingParams(temperature=1.0),
+        generator=gen,
+    )
     assert len(out.tokens) == 20
 
 
@@ -395,8 +420,9 @@ def test_vllm_export_roundtrip(target, tmp_path, share):
     from safetensors.torch import load_file
 
     keys = set(load_file(str(out / "model.safetensors")))
-    blocks = {f"blocks.{h}.layers.{i}.{w}" for h in range(3) for i in range(2)
-              for w in ("weight", "bias")}  # fmt: skip
+    blocks = {
+        f"blocks.{h}.layers.{i}.{w}" for h in range(3) for i in range(2) for w in ("weight", "bias")
+    }
     lm = {"lm_heads.0.weight"} if share else {f"lm_heads.{h}.weight" for h in range(3)}
     assert keys == blocks | lm
     back = load_medusa_export(out)
@@ -416,8 +442,9 @@ def test_original_export_roundtrip(target, tmp_path, share):
     from safetensors.torch import load_file
 
     keys = set(load_file(str(out / "medusa_lm_head.safetensors")))
-    assert keys == {f"{h}.{n}" for h in range(2)
-                    for n in ("0.linear.weight", "0.linear.bias", "1.weight")}  # fmt: skip
+    assert keys == {
+        f"{h}.{n}" for h in range(2) for n in ("0.linear.weight", "0.linear.bias", "1.weight")
+    }
     back = load_medusa_export(out)
     h = torch.randn(6, H)
     assert torch.equal(back(h), heads(h))

@@ -47,8 +47,10 @@ def write_records(path: Path, n: int = 24) -> Path:
     with open(path, "w") as f:
         for i in range(n):
             answer = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(12))
-            msgs = [{"role": "user", "content": f"say {i}"},
-                    {"role": "assistant", "content": answer}]  # fmt: skip
+            msgs = [
+                {"role": "user", "content": f"say {i}"},
+                {"role": "assistant", "content": answer},
+            ]
             f.write(json.dumps({"id": i, "messages": msgs}) + "\n")
     return path
 
@@ -85,13 +87,28 @@ def args(tmp_path, target_dir, **over) -> list[str]:
 
 def test_config_errors_name_every_field(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config(MedusaConfig, overrides={
-            "num_heads": "0", "lr": "-1", "head_decay": "1.5", "hidden_states": "offline",
-            "stage": "medusa2", "warmup_ratio": "1", "lora_dropout": "1",
-        })  # fmt: skip
+        load_config(
+            MedusaConfig,
+            overrides={
+                "num_heads": "0",
+                "lr": "-1",
+                "head_decay": "1.5",
+                "hidden_states": "offline",
+                "stage": "medusa2",
+                "warmup_ratio": "1",
+                "lora_dropout": "1",
+            },
+        )
     fields = {f for f, _ in err.value.problems}
-    assert fields == {"num_heads", "lr", "head_decay", "hidden_states_cache", "hidden_states",
-                      "warmup_ratio", "lora_dropout"}  # fmt: skip
+    assert fields == {
+        "num_heads",
+        "lr",
+        "head_decay",
+        "hidden_states_cache",
+        "hidden_states",
+        "warmup_ratio",
+        "lora_dropout",
+    }
     with pytest.raises(ConfigError) as err:
         load_config(MedusaConfig, overrides={"head_labels": "teacher", "stage": "medusa3"})
     assert {f for f, _ in err.value.problems} == {"head_labels", "stage", "data"}
@@ -117,8 +134,9 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
     metrics = json.loads((run / "training_metrics.json").read_text())
     assert metrics["steps"] == 6 and metrics["resumed_from"] == 4
     assert [e["step"] for e in metrics["train_log"]] == [2, 4, 6]  # history kept over the resume
-    assert not torch.equal(load_medusa(run / "heads").blocks[0].layers[0].weight,
-                           heads.blocks[0].layers[0].weight)  # fmt: skip
+    assert not torch.equal(
+        load_medusa(run / "heads").blocks[0].layers[0].weight, heads.blocks[0].layers[0].weight
+    )
     # Without resume, a finished run is not overwritten by accident.
     assert train_medusa(args(tmp_path, tiny_target_dir, resume=False)) == 2
     assert "already holds a medusa run" in capsys.readouterr().err
@@ -140,10 +158,23 @@ def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir)
     assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
     target, tokenizer = load_target(tiny_target_dir)
     tokens, _ = load_samples(tmp_path / "data.jsonl", tokenizer, max_length=96, split="all")
-    build_cache(target, tokens, tmp_path / "cache", [4], dtype="fp32",
-                template_fingerprint=template_fingerprint(tokenizer), progress=False)  # fmt: skip
-    offline = args(tmp_path, tiny_target_dir, save_every=0, hidden_states="offline",
-                   hidden_states_cache=tmp_path / "cache", output_dir=tmp_path / "off")  # fmt: skip
+    build_cache(
+        target,
+        tokens,
+        tmp_path / "cache",
+        [4],
+        dtype="fp32",
+        template_fingerprint=template_fingerprint(tokenizer),
+        progress=False,
+    )
+    offline = args(
+        tmp_path,
+        tiny_target_dir,
+        save_every=0,
+        hidden_states="offline",
+        hidden_states_cache=tmp_path / "cache",
+        output_dir=tmp_path / "off",
+    )
     assert train_medusa(offline) == 0
     on, off = load_medusa(tmp_path / "run" / "heads"), load_medusa(tmp_path / "off" / "heads")
     for (name, a), b in zip(on.state_dict().items(), off.state_dict().values(), strict=True):
@@ -151,8 +182,16 @@ def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir)
 
 
 def test_medusa2_writes_the_merged_target(tmp_path, tiny_target_dir):
-    argv = args(tmp_path, tiny_target_dir, stage="medusa2", max_steps=5, heads_warmup_steps=2,
-                lora_r=4, lr=1e-2, save_every=0)  # fmt: skip
+    argv = args(
+        tmp_path,
+        tiny_target_dir,
+        stage="medusa2",
+        max_steps=5,
+        heads_warmup_steps=2,
+        lora_r=4,
+        lr=1e-2,
+        save_every=0,
+    )
     assert train_medusa(argv) == 0
     run = tmp_path / "run"
     metrics = json.loads((run / "training_metrics.json").read_text())
@@ -182,11 +221,21 @@ def _free_port() -> int:
 def _launch(*argv: str) -> subprocess.CompletedProcess:
     accelerate = shutil.which("accelerate") or "accelerate"
     return subprocess.run(
-        [accelerate, "launch", "--config_file", str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
-         "--main_process_port", str(_free_port()), str(REPO / "recipes/medusa.py"), *argv],
-        capture_output=True, text=True, timeout=300,
+        [
+            accelerate,
+            "launch",
+            "--config_file",
+            str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
+            "--main_process_port",
+            str(_free_port()),
+            str(REPO / "recipes/medusa.py"),
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.integration

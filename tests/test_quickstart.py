@@ -28,8 +28,21 @@ from tests.conftest import byte_tokenizer, tiny_llama
 STAGES = ["prepare", "prompts", "distill", "tokenize", "cache", "train", "evaluate", "export"]
 # float32 evaluation: greedy output must then be the target's own, token for token (in bf16 a
 # verify forward may round a near-tie differently; tests/test_evaluate.py covers that path).
-SMALL = ["--num-prompts", "3", "--eval-prompts", "2", "--max-new-tokens", "8", "--train-steps",
-         "4", "--dtype", "float32", "--threads", "1", "--no-progress"]  # fmt: skip
+SMALL = [
+    "--num-prompts",
+    "3",
+    "--eval-prompts",
+    "2",
+    "--max-new-tokens",
+    "8",
+    "--train-steps",
+    "4",
+    "--dtype",
+    "float32",
+    "--threads",
+    "1",
+    "--no-progress",
+]
 
 
 def writer_target(path: Path) -> Path:
@@ -78,9 +91,11 @@ def job(tmp_path_factory):
     target = writer_target(root / "target")
     mine = root / "mine.jsonl"
     mine.write_text(
-        json.dumps({"prompt": "Name three colours of the sea at dusk."}) + "\n"
-        + json.dumps({"prompt": "Write a haiku about a lighthouse."}) + "\n"
-    )  # fmt: skip
+        json.dumps({"prompt": "Name three colours of the sea at dusk."})
+        + "\n"
+        + json.dumps({"prompt": "Write a haiku about a lighthouse."})
+        + "\n"
+    )
     out = root / "out"
     argv = ["quickstart", "--target", target, "--prompts", mine, "--out-dir", out, *SMALL]
     code, printed = run_job(argv)
@@ -113,9 +128,16 @@ def test_main_job_runs_every_stage(job):
     assert len(answers) == 37
     held_out = {r.messages[-1]["content"] for r in _heldout()}
     assert not held_out & {p["prompt"] for p in prompts}  # never train on held-out prompts
-    for path in ("data/tokenized/dataset_info.json", "data/cache/manifest.json",
-                 "eagle3/drafter/config.json", "eagle3/training_metrics.json",
-                 "export/config.json", "plots/training.png", "plots/evaluation.png", "summary.md"):  # fmt: skip
+    for path in (
+        "data/tokenized/dataset_info.json",
+        "data/cache/manifest.json",
+        "eagle3/drafter/config.json",
+        "eagle3/training_metrics.json",
+        "export/config.json",
+        "plots/training.png",
+        "plots/evaluation.png",
+        "summary.md",
+    ):
         assert (out / path).is_file(), path
     metrics = json.loads((out / "eagle3/training_metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["config"]["hidden_states"] == "offline"
@@ -140,10 +162,19 @@ def test_main_job_runs_every_stage(job):
     assert serve in job.printed and serve in (out / "summary.md").read_text()
     assert st["summary"]["vllm_serve"] == serve
     spec = json.loads(shlex.split(serve)[-1])
-    assert spec == {"method": "eagle3", "num_speculative_tokens": 3,
-                    "model": str((out / "export").resolve())}  # fmt: skip
-    for word in ("[1/8] prepare target", "[3/8] self-distil 37 prompts", "[8/8] export",
-                 "eval.json", "evaluation.png", "τ"):  # fmt: skip
+    assert spec == {
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+        "model": str((out / "export").resolve()),
+    }
+    for word in (
+        "[1/8] prepare target",
+        "[3/8] self-distil 37 prompts",
+        "[8/8] export",
+        "eval.json",
+        "evaluation.png",
+        "τ",
+    ):
         assert word in job.printed, word
 
 
@@ -256,9 +287,14 @@ def test_default_commands_use_the_shipped_fast_settings(tmp_path):
     cache = qs._cache().argv
     assert value(cache, "--target-dtype") == "bf16" and value(cache, "--preset") == "eagle3"
     train = qs._train().argv
-    for flag, want in (("--hidden-states", "offline"), ("--target-dtype", "bf16"),
-                       ("--mixed-precision", "bf16"), ("--ttt-steps", "3"), ("--lr", "0.0006"),
-                       ("--draft-vocab-size", "8192")):  # fmt: skip
+    for flag, want in (
+        ("--hidden-states", "offline"),
+        ("--target-dtype", "bf16"),
+        ("--mixed-precision", "bf16"),
+        ("--ttt-steps", "3"),
+        ("--lr", "0.0006"),
+        ("--draft-vocab-size", "8192"),
+    ):
         assert value(train, flag) == want, flag
     assert "--epochs" in train and "--max-minutes" in train
     evaluate = qs._evaluate().argv

@@ -182,9 +182,14 @@ class Medusa1Objective(nn.Module):
         """See :func:`medusa_head_losses`; ``hidden [B, T, H]`` comes from the frozen target."""
         hidden = hidden.to(next(self.heads.parameters()).dtype)
         return medusa_head_losses(
-            self.heads, hidden, input_ids, loss_mask,
-            labels=self.labels, teacher=teacher, decay=self.decay,
-        )  # fmt: skip
+            self.heads,
+            hidden,
+            input_ids,
+            loss_mask,
+            labels=self.labels,
+            teacher=teacher,
+            decay=self.decay,
+        )
 
 
 def add_lora(
@@ -206,8 +211,10 @@ def add_lora(
     """
     from peft import LoraConfig, get_peft_model
 
-    modules = list(target_modules or
-                   ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    modules = list(
+        target_modules
+        or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -286,9 +293,14 @@ class Medusa2Objective(nn.Module):
             hidden = self._hidden(input_ids, attention_mask)
         heads_dtype = next(self.heads.parameters()).dtype
         out = medusa_head_losses(
-            self.heads, hidden.to(heads_dtype), input_ids, loss_mask,
-            labels=self.head_labels, teacher=as_teacher(lm_head), decay=self.decay,
-        )  # fmt: skip
+            self.heads,
+            hidden.to(heads_dtype),
+            input_ids,
+            loss_mask,
+            labels=self.head_labels,
+            teacher=as_teacher(lm_head),
+            decay=self.decay,
+        )
         head_total = out["loss"]
         if heads_only:
             target_loss = head_total.new_zeros(())
@@ -302,9 +314,11 @@ class Medusa2Objective(nn.Module):
                 with torch.no_grad(), self.target.disable_adapter():
                     ref = lm_head(self._hidden(input_ids, attention_mask)[b, t]).float()
                 target_loss = F.kl_div(
-                    logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                    logits.log_softmax(-1),
+                    ref.log_softmax(-1),
+                    log_target=True,
                     reduction="batchmean",
-                )  # fmt: skip
+                )
         out["head_total"] = head_total.detach()
         out["target_loss"] = target_loss.detach()
         out["loss"] = target_loss + self.head_weight * head_total
