@@ -93,8 +93,9 @@ class EvalConfig:
         help="drafter(s) to compare against the same baseline, each KIND or KIND=PATH: ngram "
         "(prompt lookup), draft-lm[=model dir], eagle=DIR, eagle-tree=DIR (EAGLE-2 dynamic tree), "
         "medusa=DIR, medusa-tree=DIR, hf-assisted[=model dir] (the same draft LM through "
-        "transformers' generate(assistant_model=...), for comparison), or none (plain decoding "
-        "only)",
+        "transformers' generate(assistant_model=...), for comparison), hf-prompt-lookup "
+        "(transformers' prompt lookup, suffixes of up to ngram_max tokens), or none (plain "
+        "decoding only)",
     )
     k: int = cfg_field(5, help="draft tokens per verification step")
     max_new_tokens: int = cfg_field(128, help="tokens to generate per prompt")
@@ -191,6 +192,7 @@ DRAFTER_KINDS = (
     "medusa",
     "medusa-tree",
     "hf-assisted",
+    "hf-prompt-lookup",
     "none",
 )
 NEEDS_PATH = ("eagle", "eagle-tree", "medusa", "medusa-tree")
@@ -205,6 +207,8 @@ def build_drafter(cfg: EvalConfig, spec: str, target):
     kind, _, path = spec.partition("=")
     if kind == "ngram":
         return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min)
+    if kind == "hf-prompt-lookup":
+        return HFAssisted(None, lookup_ngram=cfg.ngram_max)
     if kind in ("draft-lm", "hf-assisted"):
         if path or cfg.draft_model:
             model, _ = load_target(
@@ -252,6 +256,8 @@ def method_name(cfg: EvalConfig, spec: str, drafter) -> str:
     kind, _, path = spec.partition("=")
     if kind == "ngram":
         return f"ngram[{cfg.ngram_min}-{cfg.ngram_max}]"
+    if kind == "hf-prompt-lookup":
+        return f"hf-prompt-lookup[1-{cfg.ngram_max}]"  # HF matches suffixes down to 1 token
     if kind in ("draft-lm", "hf-assisted"):
         what = path or cfg.draft_model or f"pruned {cfg.draft_layers or 'default'}"
         if kind == "hf-assisted" and cfg.hf_assistant == "transformers":
@@ -632,8 +638,10 @@ def merge_results(paths: list[Path]) -> dict:
             other = template["reference_plain"]["dtype"]
             result.update(fastest_plain(result, refs, result["dtype"], other))
         flags = [p.get("identical_to_target") for p in entries]
-        result["identical_to_target"] = None if None in flags else all(flags)
-        if None not in flags:
+        # Sampled runs compare in distribution, not per sample (as one run reports them).
+        greedy = first["config"].get("temperature", 0.0) == 0
+        result["identical_to_target"] = all(flags) if greedy and None not in flags else None
+        if result["identical_to_target"] is not None:
             result["identical_rate"] = sum(flags) / max(len(flags), 1)
             result["near_ties"] = [
                 {"id": p["id"], **p["divergence"]} for p in entries if "divergence" in p

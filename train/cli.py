@@ -30,6 +30,13 @@ def _evaluate(argv: list[str]) -> int:
     return main(argv)
 
 
+def _bench(argv: list[str]) -> int:
+    """Every drafter against one plain baseline, greedy and sampled: tables, plots, best k."""
+    from draftsmith.train.bench import main
+
+    return main(argv)
+
+
 def _export(argv: list[str]) -> int:
     from draftsmith.train.export import main
 
@@ -189,6 +196,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "evaluate": (
         _evaluate,
         "plain vs speculative decoding on a prompt set: τ, speedup, losslessness",
+    ),
+    "bench": (
+        _bench,
+        "every drafter + HF references on one prompt set: report, plots, recommended k",
     ),
     "export": (_export, "write a drafter for vLLM / SGLang / HF (speculators, eagle3, ...)"),
 }

@@ -14,6 +14,9 @@ it on one prompt and fills a :class:`~draftsmith.train.speculative.GenerationOut
 The draft proposes a constant ``k`` tokens per step (``num_assistant_tokens_schedule="constant"``,
 ``assistant_confidence_threshold=0``), the same chain length our loop uses; transformers' defaults
 (20 tokens, a confidence threshold that early-stops drafting) would compare a different algorithm.
+
+transformers' prompt lookup (``generate(prompt_lookup_num_tokens=k)``, no draft model) is counted
+the same way: the reference for our n-gram drafter.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from draftsmith.train.speculative import GenerationOutput
 
 
 class HFAssisted:
-    """A draft LM run through transformers' ``generate(assistant_model=...)``.
+    """A draft LM run through transformers' ``generate(assistant_model=...)``, or its prompt lookup.
 
     Not a :class:`~draftsmith.heads.base.Drafter`: HF's own loop drafts and verifies, so the
     evaluation calls :meth:`generate` instead of our loop.
@@ -41,13 +44,25 @@ class HFAssisted:
             same chain our loop drafts; ``"transformers"`` keeps transformers' own draft-length
             heuristics from the draft's generation config (5.24 defaults: up to 20 tokens, stop
             drafting below a confidence of 0.4, the threshold tuned as the run goes).
+        lookup_ngram: with ``draft=None``: transformers' prompt lookup instead
+            (``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=lookup_ngram)``,
+            which matches the longest suffix of up to ``lookup_ngram`` tokens, down to 1). It
+            runs no model, so its ``draft_time`` is 0 (the lookup's time is in the wall time).
     """
 
-    def __init__(self, draft: PreTrainedModel, schedule: str = "constant"):
+    def __init__(
+        self,
+        draft: PreTrainedModel | None,
+        schedule: str = "constant",
+        lookup_ngram: int | None = None,
+    ):
         if schedule not in ("constant", "transformers"):
             raise ValueError(f"schedule must be 'constant' or 'transformers', got {schedule!r}")
-        self.draft = draft.eval()
+        if (draft is None) == (lookup_ngram is None):
+            raise ValueError("give a draft model or lookup_ngram (prompt lookup), not both")
+        self.draft = draft.eval() if draft is not None else None
         self.schedule = schedule
+        self.lookup_ngram = lookup_ngram
 
     @torch.no_grad()
     def generate(
@@ -88,12 +103,16 @@ class HFAssisted:
         eos = sorted({eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ()))
 
         draft = self.draft
-        gen_cfg = copy.deepcopy(draft.generation_config)
-        if self.schedule == "constant":
-            gen_cfg.num_assistant_tokens = k
-            gen_cfg.num_assistant_tokens_schedule = "constant"
-            gen_cfg.assistant_confidence_threshold = 0.0
-        saved, draft.generation_config = draft.generation_config, gen_cfg
+        if draft is not None:
+            gen_cfg = copy.deepcopy(draft.generation_config)
+            if self.schedule == "constant":
+                gen_cfg.num_assistant_tokens = k
+                gen_cfg.num_assistant_tokens_schedule = "constant"
+                gen_cfg.assistant_confidence_threshold = 0.0
+            saved, draft.generation_config = draft.generation_config, gen_cfg
+            candidates = dict(assistant_model=draft)
+        else:
+            candidates = dict(prompt_lookup_num_tokens=k, max_matching_ngram_size=self.lookup_ngram)
 
         cache_lengths: list[int] = []  # target KV-cache length at the start of each forward
         fed_lengths: list[int] = []  # tokens fed to each forward
@@ -117,11 +136,12 @@ class HFAssisted:
         def draft_end(_module, _args, _out):
             draft_time[0] += time.perf_counter() - draft_time[1]
 
-        hooks = [
-            target.register_forward_pre_hook(count_target, with_kwargs=True),
-            draft.register_forward_pre_hook(draft_start),
-            draft.register_forward_hook(draft_end),
-        ]
+        hooks = [target.register_forward_pre_hook(count_target, with_kwargs=True)]
+        if draft is not None:
+            hooks += [
+                draft.register_forward_pre_hook(draft_start),
+                draft.register_forward_hook(draft_end),
+            ]
         kwargs = dict(do_sample=False)
         if not sampling.greedy:
             kwargs = dict(
@@ -137,7 +157,7 @@ class HFAssisted:
             out = target.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
-                assistant_model=draft,
+                **candidates,
                 max_new_tokens=max_new_tokens,
                 eos_token_id=eos or None,
                 pad_token_id=eos[0] if eos else None,
@@ -147,7 +167,8 @@ class HFAssisted:
         finally:
             for hook in hooks:
                 hook.remove()
-            draft.generation_config = saved
+            if draft is not None:
+                draft.generation_config = saved
 
         tokens = out[0, ids.shape[1] :].tolist()
         steps = _verification_steps(cache_lengths, fed_lengths, ids.shape[1], len(tokens))
