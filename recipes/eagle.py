@@ -385,7 +385,10 @@ def train(cfg: EagleTrainConfig) -> int:
             "version": cfg.version,
             "train_samples": len(train_set),
             "val_samples": len(val_idx),
-            "feature_layers": layers,
+            # What the drafter reads (aux layers, or the last for EAGLE-1) and what the target
+            # had to provide for training (those plus the last layer, for the labels' head).
+            "feature_layers": list(eagle_cfg.feature_layers),
+            "train_layers": layers,
             "final_validation": run.state.validation[-1] if run.state.validation else None,
             **vocab_note,
             "data": str(cfg.data or cfg.hidden_states_cache),

@@ -184,11 +184,14 @@ def test_recommendation_is_predicted_speedups_of_the_measured_alpha(setup):
         draft_s = m["draft_time_fraction"] * m["wall_time_s"] / proposed if proposed else 0.0
         assert rec["draft_seconds_per_token"] == pytest.approx(draft_s)
         assert rec["alpha_used"][:3] == pytest.approx(alpha)
-        expected = predicted_speedups(_alpha_tail(alpha, 5), costs, draft_s)
+        # s: the share of verification steps that carried a draft (n-gram: only on a match).
+        share = m["draft_steps"] / (m["target_forwards"] - m["num_prompts"])
+        assert rec["drafted_step_share"] == pytest.approx(min(1.0, share))
+        expected = predicted_speedups(_alpha_tail(alpha, 5), costs, draft_s, min(1.0, share))
         got = {int(k): v for k, v in rec["predicted"].items()}
         assert got == pytest.approx(expected)
         # Up to the measured k the prediction needs no extrapolation at all.
-        assert got[3] == pytest.approx(predicted_speedups(alpha, costs, draft_s)[3])
+        assert got[3] == pytest.approx(predicted_speedups(alpha, costs, draft_s, share)[3])
         assert rec["predicted_at_run_k"] == pytest.approx(expected[3])
         best = max(expected, key=lambda k: (expected[k], -k))
         assert rec["best_k"] == best

@@ -119,3 +119,7 @@ def test_predicted_speedups_by_hand():
     assert got[2] == pytest.approx(1.75 * 0.050 / (0.054 + 0.008))  # width 3 interpolated
     assert got[3] == pytest.approx(1.85 * 0.050 / (0.056 + 0.012))
     assert max(got, key=got.get) == 2
+    # Drafting on 40 % of steps: the other 60 % are plain 1-token forwards (1 token, 50 ms).
+    mixed = predicted_speedups([0.5, 0.25, 0.1], costs, 0.004, drafted_share=0.4)
+    assert mixed[1] == pytest.approx((0.4 * 1.5 + 0.6) * 0.050 / (0.4 * 0.056 + 0.6 * 0.050))
+    assert 1.0 < mixed[1] < got[1]

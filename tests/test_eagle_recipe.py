@@ -86,6 +86,10 @@ def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir, version):
     target, _ = load_target(str(tiny_target_dir))
     drafter = load_drafter(run / "drafter", target)
     assert drafter.config.version == version
+    # Run metadata: the layers the drafter reads, and those training took from the target.
+    assert metrics["feature_layers"] == list(drafter.config.feature_layers)
+    last = target.config.num_hidden_layers
+    assert metrics["train_layers"] == sorted({*drafter.config.feature_layers, last})
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3", "step_6"]
 
     # Resume: ask for more steps; the run continues from step 6, not from scratch.

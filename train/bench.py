@@ -328,7 +328,12 @@ def recommend(result: dict[str, Any], costs: dict[int, float], max_k: int) -> di
     n = max(max_k, run_k)
     used = extend_alpha(alpha, n)
     d = draft_seconds_per_token(result)
-    predicted = predicted_speedups(used, costs, d)
+    # A drafter that drafts only on some steps (n-gram lookup finds no match elsewhere) has its
+    # α per drafted step; the prediction mixes those steps with the plain ones by their share.
+    verify_steps = result.get("target_forwards", 0) - result.get("num_prompts", 0)
+    drafted = result.get("draft_steps", 0)
+    share = min(1.0, drafted / verify_steps) if verify_steps > 0 else 1.0
+    predicted = predicted_speedups(used, costs, d, drafted_share=share)
     best_k = max(predicted, key=lambda k: (predicted[k], -k))  # ties: the shorter chain
     rec = {
         "method": result["method"],
@@ -346,19 +351,12 @@ def recommend(result: dict[str, Any], costs: dict[int, float], max_k: int) -> di
         "measured_positions": len(alpha),
         "draft_seconds_per_token": d,
     }
-    # A drafter that drafts only on some steps (n-gram lookup finds no match elsewhere) is
-    # predicted per drafted step: its undrafted steps are plain decoding in either case.
-    verify_steps = result.get("target_forwards", 0) - result.get("num_prompts", 0)
-    drafted = result.get("draft_steps", 0)
-    rec["drafted_step_share"] = drafted / verify_steps if verify_steps > 0 else 0.0
+    rec["drafted_step_share"] = share
     notes = []
     if not drafted:
         notes.append("never drafted: nothing to predict from")
-    elif rec["drafted_step_share"] < 0.8:
-        notes.append(
-            f"drafted on {100 * rec['drafted_step_share']:.0f}% of steps; predicted per "
-            "drafted step"
-        )
+    elif share < 0.8:
+        notes.append(f"drafted on {100 * share:.0f}% of steps (assumed the same share at every k)")
     if result.get("adaptive_k"):
         notes.append("measured with --adaptive-k: its α are of shorter drafts")
     if notes:

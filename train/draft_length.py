@@ -175,6 +175,7 @@ def predicted_speedups(
     alpha: list[float],
     costs: dict[int, float],
     draft_seconds_per_token: float,
+    drafted_share: float = 1.0,
 ) -> dict[int, float]:
     """Speedup over plain decoding predicted for each chain length k from measured rates.
 
@@ -189,6 +190,10 @@ def predicted_speedups(
         costs: seconds per target forward by width; widths without a measurement are
             interpolated linearly.
         draft_seconds_per_token: D.
+        drafted_share: s, the fraction of verification steps that carried a draft (n-gram
+            lookup drafts only where it finds a match; ``alpha`` is then per drafted step). The
+            other steps are plain 1-token forwards, so the prediction mixes both by their time:
+            ``(s·τ(k) + 1 - s) · V(1) / (s·(V(k + 1) + k·D) + (1 - s)·V(1))``.
 
     Returns:
         ``{k: predicted speedup}`` for k = 1..len(alpha).
@@ -208,5 +213,7 @@ def predicted_speedups(
     out, tau = {}, 1.0
     for k, a in enumerate(alpha, start=1):
         tau += a
-        out[k] = tau * verify(1) / (verify(k + 1) + k * draft_seconds_per_token)
+        step = verify(k + 1) + k * draft_seconds_per_token
+        share = drafted_share
+        out[k] = (share * tau + 1 - share) * verify(1) / (share * step + (1 - share) * verify(1))
     return out
