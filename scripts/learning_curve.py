@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
     points = []
     sources = [(step, path, path / "model.safetensors") for step, path in finished_checkpoints(run)]
-    sources.append((metrics["steps"], run / "drafter", None))
+    if not sources or sources[-1][0] != metrics["steps"]:  # the last checkpoint may be the end
+        sources.append((metrics["steps"], run / "drafter", None))
     for step, path, weights in sources:
         drafter = load_drafter(run / "drafter", target, dtype=dtype)
         if weights is not None:
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": f"evaluated τ (chain k={args.k}, greedy, {args.dtype}) per checkpoint",
         "run": str(run),
         "prompts": f"{args.prompts} split={args.split} first {len(prompts)}",
+        "k": args.k,
         "max_new_tokens": args.max_new_tokens,
         "points": points,
         "validation": [
@@ -134,7 +136,12 @@ def _plot(result: dict, per_step: int, path: Path) -> None:
         (axes[0], "minutes", "training minutes (2 CPU cores)"),
         (axes[1], "samples", "training samples seen"),
     ):
-        ax.plot([p[key] for p in pts], [p["tau"] for p in pts], "o-", label="evaluated τ (k=5)")
+        ax.plot(
+            [p[key] for p in pts],
+            [p["tau"] for p in pts],
+            "o-",
+            label=f"evaluated τ (k={result['k']})",
+        )
         if key == "minutes":
             xs = [v["minutes"] for v in val if v["minutes"] is not None]
             ys = [v["sim_tau"] for v in val if v["minutes"] is not None]

@@ -776,8 +776,9 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             "",
             f"Predicted from each chain drafter's measured α, its measured drafting time per "
             f"token and the verify cost per width in `{cp['path']}` ({cp.get('dtype')}, "
-            f"{cp.get('threads')} thread(s)): speedup(k) = τ(k)·V(1) / (V(k+1) + k·D). "
-            "Prefill and loop overhead are left out, so predictions run a little high; α past "
+            f"{cp.get('threads')} thread(s)): speedup(k) = τ(k)·V(1) / (V(k+1) + k·D), mixed "
+            "with plain 1-token steps by the share s of steps that drafted (n-gram lookup "
+            "drafts only on a match). Prefill and loop overhead are left out, so predictions run a little high; α past "
             "the measured k is extrapolated.",
             "",
         ]
