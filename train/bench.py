@@ -60,6 +60,7 @@ from draftsmith.train.config import (
 )
 from draftsmith.train.draft_length import load_cost_profile, predicted_speedups
 from draftsmith.train.errors import UsageError, cli_main
+from draftsmith.train.metrics import identical_text
 from draftsmith.train.runinfo import run_info, write_json_atomic
 
 __all__ = [
@@ -656,19 +657,6 @@ def _x(value: Any, fmt: str = ".2f", suffix: str = "") -> str:
     return f"{value:{fmt}}{suffix}" if _finite(value) else "-"
 
 
-def _identical(m: dict[str, Any]) -> str:
-    identical = m.get("identical_to_target")
-    if identical is None:
-        return "- (sampled)"
-    if identical:
-        return "yes"
-    ties = m.get("near_ties") or []
-    if ties and all(t.get("near_tie") for t in ties):
-        gap = max(abs(t.get("logit_gap", 0.0)) for t in ties)
-        return f"{100 * m.get('identical_rate', 0):.0f}% ({len(ties)} near-ties, max gap {gap:.3f})"
-    return "NO"
-
-
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|")
 
@@ -696,7 +684,7 @@ def results_rows(report: dict[str, Any]) -> list[list[str]]:
                     _x(m.get("speedup"), ".2f", "x"),
                     vs,
                     _x(100 * m["draft_time_fraction"], ".0f", "%"),
-                    _identical(m),
+                    identical_text(m, sampled="- (sampled)", gaps=True),
                 ]
             )
     return rows

@@ -83,6 +83,9 @@ from draftsmith.train.self_distill import (
     _write_meta,
     generate_batch,
 )
+from draftsmith.train.self_distill import (
+    _check_meta as _check_distill_meta,
+)
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -632,23 +635,7 @@ def _parse_magpie(path: Path, lines: Sequence[bytes], first: int) -> list[dict]:
 
 def _check_meta(meta_path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The stored meta, after checking that its strict settings equal ``settings``'."""
-    try:
-        meta = json.loads(meta_path.read_text())
-        old = meta["settings"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise MagpieError(f"cannot read {meta_path} ({exc}); pass --overwrite") from exc
-    diff = [
-        f"{k}: {old.get(k)!r} in the existing output, {settings.get(k)!r} now"
-        for k in _STRICT_SETTINGS
-        if k in settings and old.get(k) != settings.get(k)
-    ]
-    if diff:
-        raise MagpieError(
-            f"cannot resume {meta_path.with_suffix('')}: it was made with other settings ("
-            + "; ".join(diff)
-            + "). Use the same settings, another --output, or --overwrite to start again."
-        )
-    return meta
+    return _check_distill_meta(meta_path, settings, _STRICT_SETTINGS, MagpieError)
 
 
 def _progress(enabled: bool, total: int, initial: int) -> Any:

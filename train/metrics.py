@@ -109,7 +109,7 @@ def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative deco
                 else "-"
             ),
             f"{100 * r['draft_time_fraction']:.0f}%",
-            _identical_text(r),
+            identical_text(r),
         )
     return table
 
@@ -136,13 +136,24 @@ def simulated_tau(accs: Sequence[float]) -> float:
     return tau
 
 
-def _identical_text(r: dict[str, Any]) -> str:
+def identical_text(r: dict[str, Any], *, sampled: str = "-", gaps: bool = False) -> str:
+    """The "identical" cell of a results table: yes, NO, the bf16 near-tie summary, or ``sampled``.
+
+    Args:
+        r: one method's evaluate result.
+        sampled: text for sampled runs (no per-sample check).
+        gaps: also give the number of near-ties and the largest logit gap.
+    """
     identical = r.get("identical_to_target")
     if identical is None:
-        return "-"
+        return sampled
     if identical:
         return "yes"
     ties = r.get("near_ties") or []
     if ties and all(t.get("near_tie") for t in ties):
-        return f"{100 * r.get('identical_rate', 0):.0f}% (near-ties)"
+        rate = f"{100 * r.get('identical_rate', 0):.0f}%"
+        if not gaps:
+            return f"{rate} (near-ties)"
+        gap = max(abs(t.get("logit_gap", 0.0)) for t in ties)
+        return f"{rate} ({len(ties)} near-ties, max gap {gap:.3f})"
     return "NO"

@@ -361,22 +361,34 @@ def _plan_turns(conv: Conversation, turns: str) -> tuple[list[dict[str, str]], l
     return messages, targets
 
 
-def _check_meta(meta_path: Path, settings: dict[str, Any]) -> None:
+def _check_meta(
+    meta_path: Path,
+    settings: dict[str, Any],
+    strict: Sequence[str] = _STRICT_SETTINGS,
+    error: type[UsageError] = DistillError,
+) -> dict[str, Any]:
+    """The stored meta of a resumable output, after checking its ``strict`` settings.
+
+    Shared by the resumable data writers (self-distillation, Magpie prompts), which pass their
+    own strict keys and error class.
+    """
     try:
-        old = json.loads(meta_path.read_text())["settings"]
+        meta = json.loads(meta_path.read_text())
+        old = meta["settings"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DistillError(f"cannot read {meta_path} ({exc}); pass --overwrite") from exc
+        raise error(f"cannot read {meta_path} ({exc}); pass --overwrite") from exc
     diff = [
         f"{k}: {old.get(k)!r} in the existing output, {settings.get(k)!r} now"
-        for k in _STRICT_SETTINGS
+        for k in strict
         if k in settings and old.get(k) != settings.get(k)
     ]
     if diff:
-        raise DistillError(
+        raise error(
             f"cannot resume {meta_path.with_suffix('')}: it was made with other settings ("
             + "; ".join(diff)
             + "). Use the same settings, another --output, or --overwrite to start again."
         )
+    return meta
 
 
 def _write_meta(meta_path: Path, data: dict[str, Any]) -> None:
