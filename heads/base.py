@@ -1,6 +1,6 @@
 """The contract between drafters and the speculative verification loop.
 
-The loop (``draftsmith.train.speculative``) owns the target, its KV cache, sampling and acceptance.
+The loop (``draftsmith.train.decoding.speculative``) owns the target, its KV cache, sampling and acceptance.
 A drafter only proposes tokens and keeps its own state in step with what was accepted. The loop
 never asks which kind of drafter it runs; adding a drafter never changes the loop.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from draftsmith.train.sampling import SamplingParams
+    from draftsmith.heads.sampling import SamplingParams
 
 # Target hidden states keyed by layer index in HF's ``output_hidden_states`` convention:
 # 0 = embedding output (input to layer 0), i = output of layer i-1 (= input to layer i),

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftsmith.heads.base import Features, Proposal
-from draftsmith.train.sampling import SamplingParams, choose
+from draftsmith.heads.sampling import SamplingParams, choose
 
 
 def first_vocab_difference(

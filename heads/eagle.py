@@ -10,7 +10,7 @@ features; after each verification the target's true features of the kept positio
 EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via
 Training-Time Test") fuses a low, a middle and a high target layer instead of the final one
 (§3.2), trains with "training-time test" (the drafter consumes its own outputs during training,
-see :mod:`draftsmith.train.eagle_ttt`) and predicts over a reduced draft vocabulary with its own
+see :mod:`draftsmith.train.objectives.eagle_ttt`) and predicts over a reduced draft vocabulary with its own
 norm and head.
 
 Alignment (both versions), with ``ids`` of length L (tokens 0..L-1) and target features known for
@@ -57,7 +57,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from draftsmith.heads.base import Features, Proposal
-from draftsmith.train.sampling import SamplingParams, choose
+from draftsmith.heads.sampling import SamplingParams, choose
 
 __all__ = [
     "DRAFTER_FORMAT",
@@ -269,7 +269,7 @@ class EagleConfig:
     def train_layers(self) -> tuple[int, ...]:
         """Layers training needs: the feature layers plus N (target logits via the target head).
 
-        Sorted and unique, ready for :func:`draftsmith.train.hidden_states.feature_source`.
+        Sorted and unique, ready for :func:`draftsmith.train.data.hidden_states.feature_source`.
         """
         return tuple(sorted({*self.feature_layers, self.target_num_layers}))
 
@@ -664,7 +664,7 @@ class EagleDrafter(nn.Module):
         return out
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install EAGLE-3's vocab maps (see :func:`draftsmith.train.vocab.draft_vocab`)."""
+        """Install EAGLE-3's vocab maps (see :func:`draftsmith.train.data.vocab.draft_vocab`)."""
         if self.config.version != 3:
             raise ValueError("EAGLE-1 predicts over the full target vocabulary; no d2t/t2d")
         _check_vocab_maps(d2t, t2d, self.config)
@@ -715,7 +715,7 @@ def build_drafter(
     Args:
         target: the frozen target (its embedding, and EAGLE-1's head, are shared).
         cfg: drafter config (e.g. :meth:`EagleConfig.from_target`).
-        d2t, t2d: EAGLE-3 vocab maps (:func:`draftsmith.train.vocab.draft_vocab`); default: the
+        d2t, t2d: EAGLE-3 vocab maps (:func:`draftsmith.train.data.vocab.draft_vocab`); default: the
             first ``draft_vocab_size`` target ids (identity when the draft vocab is full).
         dtype: parameter dtype (float32 master weights are the usual choice for training).
         seed: seed for the random init (None: the global RNG).

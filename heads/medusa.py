@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from draftsmith.heads.base import Features, Proposal
-from draftsmith.train.sampling import SamplingParams, choose
+from draftsmith.heads.sampling import SamplingParams, choose
 
 __all__ = [
     "ACCURACY_FILE",
@@ -237,7 +237,7 @@ def load_medusa(path: str | Path, *, device: str | torch.device = "cpu") -> Medu
     if config.get("format") != FORMAT:
         raise ValueError(
             f"{path / CONFIG_FILE}: format {config.get('format')!r} is not {FORMAT!r} "
-            "(for vLLM or original Medusa exports use draftsmith.train.export_medusa."
+            "(for vLLM or original Medusa exports use draftsmith.train.export.medusa."
             "load_medusa_export)"
         )
     weights = path / WEIGHTS_FILE
@@ -391,7 +391,7 @@ def expected_acceptance_length(
 
 
 class MedusaProposer:
-    """Medusa heads as a drafter for :func:`draftsmith.train.speculative.generate`.
+    """Medusa heads as a drafter for :func:`draftsmith.train.decoding.speculative.generate`.
 
     The heads read the target's final normed hidden state at the last kept position -- the
     state that produced the newest token ``ids[-1]`` -- so head 0 guesses the token after

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.heads.base import Features, Proposal
-from draftsmith.train.sampling import SamplingParams
+from draftsmith.heads.sampling import SamplingParams
 
 
 class NGramDrafter:

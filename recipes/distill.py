@@ -9,7 +9,7 @@ Launch::
 
 The frozen target supplies its next-token distribution p online (one no-grad forward per batch);
 the draft's q is trained towards it with a selectable divergence (forward KL, reverse KL, total
-variation, JSD; see ``train/distill_losses.py``) on the assistant tokens of self-distilled
+variation, JSD; see ``train/objectives/distill.py``) on the assistant tokens of self-distilled
 conversations, optionally mixed with cross-entropy on the data and optionally on-policy: on a
 fraction of the steps the answers are sampled from the draft itself and scored by the target
 (DistillSpec §4.1; GKD, Agarwal et al. 2024), so the draft learns on the prefixes it will
@@ -55,16 +55,16 @@ from draftsmith.train.core.data import (
 )
 from draftsmith.train.core.dist import exit_process
 from draftsmith.train.core.run import TrainRun
-from draftsmith.train.distill_losses import (
+from draftsmith.train.data.hidden_states import TokenDataset, collate_hidden_states
+from draftsmith.train.errors import UsageError, cli_main
+from draftsmith.train.objectives.distill import (
     LOSSES,
     distill_loss,
     expected_acceptance,
     greedy_agreement,
     prediction_mask,
 )
-from draftsmith.train.draft_init import DRAFT_INITS, compute_ratio, init_draft
-from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.hidden_states import TokenDataset, collate_hidden_states
+from draftsmith.train.objectives.draft_init import DRAFT_INITS, compute_ratio, init_draft
 
 
 @dataclass
@@ -315,10 +315,10 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    from draftsmith.train.export_hf import save_draft
-    from draftsmith.train.metrics import simulated_tau
+    from draftsmith.train.decoding.metrics import simulated_tau
+    from draftsmith.train.export.hf import save_draft
     from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.load import load_target
 
     info = run_info()
     with TrainRun(

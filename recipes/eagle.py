@@ -145,13 +145,13 @@ def train(cfg: EagleTrainConfig) -> int:
     from transformers import get_cosine_schedule_with_warmup
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
-    from draftsmith.train.data import template_fingerprint
-    from draftsmith.train.eagle_ttt import eagle1_loss, eagle3_ttt_loss
-    from draftsmith.train.hidden_states import feature_source, target_fingerprint
-    from draftsmith.train.metrics import simulated_tau
+    from draftsmith.train.data.hidden_states import feature_source, target_fingerprint
+    from draftsmith.train.data.tokenize import template_fingerprint
+    from draftsmith.train.data.vocab import coverage, draft_vocab, token_counts
+    from draftsmith.train.decoding.metrics import simulated_tau
+    from draftsmith.train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
     from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target import load_target
-    from draftsmith.train.vocab import coverage, draft_vocab, token_counts
+    from draftsmith.train.target.load import load_target
 
     info = run_info()
     with TrainRun(cfg, recipe="eagle", kind=f"eagle{cfg.version}", outputs=["drafter"]) as run:

@@ -30,16 +30,16 @@ import torch
 
 from draftsmith.heads.draft_lm import DraftLM, check_vocab_compatible, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
+from draftsmith.heads.sampling import SamplingParams, sampling_problems
 from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, parse_config
-from draftsmith.train.draft_length import AdaptiveDraftLength, load_cost_profile
-from draftsmith.train.hf_assisted import HFAssisted
-from draftsmith.train.kernels import flatten_linear_inputs
-from draftsmith.train.metrics import results_table, summarize
-from draftsmith.train.prompts import PromptFileError, load_prompts, render_prompt
+from draftsmith.train.data.prompts import PromptFileError, load_prompts, render_prompt
+from draftsmith.train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
+from draftsmith.train.decoding.hf_assisted import HFAssisted
+from draftsmith.train.decoding.metrics import results_table, summarize
+from draftsmith.train.decoding.speculative import GenerationOutput, generate
 from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
-from draftsmith.train.sampling import SamplingParams, sampling_problems
-from draftsmith.train.speculative import GenerationOutput, generate
-from draftsmith.train.target import TargetError, load_target
+from draftsmith.train.target.kernels import flatten_linear_inputs
+from draftsmith.train.target.load import TargetError, load_target
 
 
 @dataclass

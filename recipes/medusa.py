@@ -60,8 +60,9 @@ from draftsmith.train.core.data import (
 from draftsmith.train.core.dist import exit_process
 from draftsmith.train.core.run import TrainRun
 from draftsmith.train.core.stop import NonFiniteError, non_finite_parameters
+from draftsmith.train.decoding.metrics import simulated_tau
 from draftsmith.train.errors import cli_main
-from draftsmith.train.medusa_train import (
+from draftsmith.train.objectives.medusa import (
     HEAD_LABELS,
     TARGET_LOSSES,
     Medusa1Objective,
@@ -72,7 +73,6 @@ from draftsmith.train.medusa_train import (
     rank_counts,
     warmup_cosine,
 )
-from draftsmith.train.metrics import simulated_tau
 
 HEADS_SUBDIR = "heads"
 METRICS_FILE = "training_metrics.json"
@@ -218,8 +218,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader, Subset
     from tqdm.auto import tqdm
 
-    from draftsmith.train.data import template_fingerprint
-    from draftsmith.train.hidden_states import (
+    from draftsmith.train.data.hidden_states import (
         DTYPES,
         TokenDataset,
         collate_hidden_states,
@@ -227,8 +226,9 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         feature_source,
         target_fingerprint,
     )
+    from draftsmith.train.data.tokenize import template_fingerprint
     from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target import load_target, prepare_target
+    from draftsmith.train.target.load import load_target, prepare_target
 
     info = run_info()  # taken at the start: the code and versions that actually ran
     medusa2 = cfg.stage == "medusa2"

@@ -28,13 +28,13 @@ import torch
 
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
-from draftsmith.train.draft_length import AdaptiveDraftLength
-from draftsmith.train.hf_assisted import HFAssisted
-from draftsmith.train.metrics import summarize
-from draftsmith.train.prompts import load_prompts, render_prompt
+from draftsmith.train.data.prompts import load_prompts, render_prompt
+from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
+from draftsmith.train.decoding.hf_assisted import HFAssisted
+from draftsmith.train.decoding.metrics import summarize
+from draftsmith.train.decoding.speculative import generate
 from draftsmith.train.runinfo import run_info, write_json_atomic
-from draftsmith.train.speculative import generate
-from draftsmith.train.target import load_target
+from draftsmith.train.target.load import load_target
 
 METHODS = ["hf-greedy", "plain", "hf-prompt-lookup", "ngram", "hf-assisted", "draft-lm"]
 EXTRA_METHODS = ["ngram-adaptive", "draft-lm-adaptive"]  # cost-aware draft length

@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import DynamicCache
 
+    from draftsmith.train.decoding.speculative import _tree_inputs
     from draftsmith.train.runinfo import run_info, write_json_atomic
-    from draftsmith.train.speculative import _tree_inputs
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.load import load_target
 
     info = run_info()
     load_before = os.getloadavg()

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.train import hidden_states as H
+from draftsmith.train.data.tokenize import hidden_states as H
 from draftsmith.train.runinfo import run_info, write_json_atomic
-from draftsmith.train.target import load_target
+from draftsmith.train.target.load import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftsmith.heads.eagle import EagleProposer, load_drafter
     from draftsmith.train.core.checkpoint import TrainerState, finished_checkpoints
-    from draftsmith.train.kernels import flatten_linear_inputs
-    from draftsmith.train.prompts import load_prompts, render_prompt
+    from draftsmith.train.data.prompts import load_prompts, render_prompt
+    from draftsmith.train.decoding.speculative import generate
     from draftsmith.train.runinfo import run_info, write_json_atomic
-    from draftsmith.train.speculative import generate
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.kernels import flatten_linear_inputs
+    from draftsmith.train.target.load import load_target
 
     info = run_info()
     run = Path(args.run)

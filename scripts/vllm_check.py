@@ -67,7 +67,9 @@ METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "medusa")
 NEEDS_DRAFT = ("draft_model", "eagle", "eagle3", "medusa")
 DEFAULT_TARGET = "~/.cache/draftsmith/targets/smollm2-135m-instruct"
 # Read as a data file (this script never imports draftsmith).
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "train" / "prompts" / "chat_prompts.jsonl"
+DEFAULT_PROMPTS = (
+    Path(__file__).resolve().parents[1] / "train" / "data" / "prompt_sets" / "chat_prompts.jsonl"
+)
 HELDOUT_MODULUS = 10  # shared/data convention: id % 10 == 9 is held out
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -89,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--prompts",
         default=str(DEFAULT_PROMPTS),
         help="prompt JSONL (messages/sharegpt/alpaca/prompt/text records; default: the "
-        "project's own prompt set, train/prompts/chat_prompts.jsonl)",
+        "project's own prompt set, train/data/prompt_sets/chat_prompts.jsonl)",
     )
     ap.add_argument(
         "--split",
@@ -147,7 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def record_messages(obj: dict) -> list[dict]:
     """Chat messages up to and including the last user turn of one record.
 
-    Accepts the shapes of ``train/data.py``: ``messages``, ``conversations`` (ShareGPT),
+    Accepts the shapes of ``train/data/tokenize.py``: ``messages``, ``conversations`` (ShareGPT),
     ``instruction``/``input`` (Alpaca: instruction, blank line, input when the input is not
     blank), ``prompt``/``system``, and ``text`` (sent as one user turn).
     """

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import tiny_model_dir
 
-from draftsmith.train import bench
-from draftsmith.train.cli import main as cli
-from draftsmith.train.draft_length import load_cost_profile, predicted_speedups
+from draftsmith.recipes import bench
+from draftsmith.recipes.cli import main as cli
+from draftsmith.train.decoding.draft_length import load_cost_profile, predicted_speedups
 
 DRAFTERS = ["ngram", "draft-lm", "eagle", "eagle-tree", "hf-prompt-lookup"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -20,7 +20,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def setup(tmp_path_factory):
     """A tiny target, an EAGLE-3 drafter inside a fake training run, a cost profile."""
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.load import load_target
 
     root = tmp_path_factory.mktemp("bench")
     target_dir = tiny_model_dir(root / "target")

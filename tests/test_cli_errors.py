@@ -2,7 +2,7 @@
 
 Every case is certain to be wrong (a bad record or an unusable checkpoint is always present), so
 each run must end with exit code 1 or 2 and a named ``error: ...`` on stderr -- never a
-traceback. The entry points run in-process (``draftsmith.train.cli.main``) on a tiny target.
+traceback. The entry points run in-process (``draftsmith.recipes.cli.main``) on a tiny target.
 Examples are derandomized so the default suite is reproducible; raise ``max_examples`` locally
 to search further.
 """
@@ -22,12 +22,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from draftsmith.train.cli import main as cli
-from draftsmith.train.data import TokenizeConfig
-from draftsmith.train.export import FORMATS, ExportConfig
-from draftsmith.train.hidden_states import CacheConfig
-from draftsmith.train.self_distill import DistillConfig
-from draftsmith.train.vocab import VocabConfig
+from draftsmith.recipes.cli import main as cli
+from draftsmith.train.data.hidden_states import CacheConfig
+from draftsmith.train.data.self_distill import DistillConfig
+from draftsmith.train.data.tokenize import TokenizeConfig
+from draftsmith.train.data.vocab import VocabConfig
+from draftsmith.train.export.command import FORMATS, ExportConfig
 from tests.conftest import tiny_model_dir
 
 SETTINGS = settings(
@@ -413,7 +413,7 @@ def test_debug_shows_the_traceback_and_help_says_so(tmp_path, capsys, monkeypatc
         f"error: data: {tmp_path / 'nope'} not found (a hidden-state cache from `draftsmith data "
         "cache`, or tokenized data from `draftsmith data tokenize`)"
     ]
-    from draftsmith.train.vocab import TokenDataError
+    from draftsmith.train.data.vocab import TokenDataError
 
     with pytest.raises(TokenDataError):  # --debug anywhere: the exception propagates
         cli(["--debug", *argv])

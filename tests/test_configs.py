@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.recipes.distill import DistillConfig
-from draftsmith.recipes.eagle import EagleTrainConfig
-from draftsmith.recipes.evaluate import EvalConfig
-from draftsmith.recipes.medusa import MedusaConfig
-from draftsmith.train.cli import (
+from draftsmith.recipes.cli import (
     COMMAND_CONFIGS,
     DATA_COMMANDS,
     TRAIN_RECIPES,
     command_config_class,
     parse_command,
 )
+from draftsmith.recipes.distill import DistillConfig
+from draftsmith.recipes.eagle import EagleTrainConfig
+from draftsmith.recipes.evaluate import EvalConfig
+from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.train.config import add_config_arguments, load_config
 from draftsmith.train.core.data import check_inputs
 from draftsmith.train.errors import UsageError

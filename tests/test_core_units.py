@@ -20,8 +20,8 @@ from draftsmith.train.core.checkpoint import (
 )
 from draftsmith.train.core.config import TrainConfig
 from draftsmith.train.core.data import DataPosition, check_enough_data, eos_ids, split_indices
+from draftsmith.train.decoding.metrics import simulated_tau
 from draftsmith.train.errors import RunError, UsageError
-from draftsmith.train.metrics import simulated_tau
 
 
 @dataclass

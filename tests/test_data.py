@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.data: record shapes, files, errors, skips, masks, truncation."""
+"""Tests for draftsmith.train.data.tokenize: record shapes, files, errors, skips, masks, truncation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.train.data import (
+from draftsmith.train.data.tokenize import (
     Conversation,
     DataFileError,
     TemplateError,
@@ -634,7 +634,7 @@ def test_template_fingerprint(chatml, llama3):
 def test_tokenize_cli_saves_masked_dataset(tmp_path, tiny_target_dir, capsys):
     import datasets
 
-    from draftsmith.train.data import main_tokenize
+    from draftsmith.train.data.tokenize import main_tokenize
 
     src = tmp_path / "chats.jsonl"
     src.write_text(

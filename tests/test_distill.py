@@ -11,7 +11,8 @@ import torch
 from draftsmith.heads.draft_lm import check_vocab_compatible, layer_pruned_copy
 from draftsmith.recipes.distill import DistillConfig, batch_logits, step_loss
 from draftsmith.train.config import ConfigError, load_config, parse_config
-from draftsmith.train.distill_losses import (
+from draftsmith.train.export.hf import export_hf, main_export_hf, save_draft
+from draftsmith.train.objectives.distill import (
     cross_entropy,
     distill_loss,
     expected_acceptance,
@@ -22,7 +23,7 @@ from draftsmith.train.distill_losses import (
     reverse_kl,
     total_variation,
 )
-from draftsmith.train.draft_init import (
+from draftsmith.train.objectives.draft_init import (
     check_draft_compatible,
     compute_ratio,
     fresh_draft,
@@ -31,7 +32,6 @@ from draftsmith.train.draft_init import (
     per_token_flops,
     pruned_draft,
 )
-from draftsmith.train.export_hf import export_hf, main_export_hf, save_draft
 from tests.conftest import byte_tokenizer, tiny_llama, tiny_model_dir
 
 # --------------------------------------------------------------------------------------------

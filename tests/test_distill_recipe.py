@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from draftsmith.recipes.distill import DistillConfig, is_on_policy_step, main, on_policy_batch
 from draftsmith.train.core.checkpoint import finished_checkpoints
-from draftsmith.train.hidden_states import collate_hidden_states
+from draftsmith.train.data.hidden_states import collate_hidden_states
 from tests.conftest import byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,7 +291,7 @@ def test_two_cpu_processes_complete_and_resume(tmp_path, tiny_target_dir):
 
 def test_pretokenized_data_dir(tmp_path, tiny_target_dir):
     """A directory saved by `draftsmith data tokenize` trains like the conversations it came from."""
-    from draftsmith.train.data import main_tokenize
+    from draftsmith.train.data.tokenize import main_tokenize
 
     chat = write_chat(tmp_path / "chat.jsonl")
     tokenized = tmp_path / "tok"

@@ -9,8 +9,8 @@ import statistics
 import pytest
 
 from draftsmith.heads.ngram import NGramDrafter
-from draftsmith.train.draft_length import AdaptiveDraftLength
-from draftsmith.train.speculative import generate
+from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
+from draftsmith.train.decoding.speculative import generate
 from tests.test_speculative import OracleDrafter, RandomDrafter, _prompt, reference_greedy
 
 # Costs shaped like SmolLM2 on 2 CPU cores: 55 ms for 1 token, ~+9 ms per extra token.
@@ -89,7 +89,7 @@ def test_cost_profile_seeds_verify_costs(tmp_path):
 
     import pytest
 
-    from draftsmith.train.draft_length import AdaptiveDraftLength, load_cost_profile
+    from draftsmith.train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
 
     path = tmp_path / "forward_cost.json"
     chain = {"1": 50.0, "2": 51.0, "4": 52.0, "6": 54.0}
@@ -110,7 +110,7 @@ def test_cost_profile_seeds_verify_costs(tmp_path):
 def test_predicted_speedups_by_hand():
     import pytest
 
-    from draftsmith.train.draft_length import predicted_speedups
+    from draftsmith.train.decoding.draft_length import predicted_speedups
 
     costs = {1: 0.050, 2: 0.052, 4: 0.056, 6: 0.060}
     got = predicted_speedups([0.5, 0.25, 0.1], costs, draft_seconds_per_token=0.004)

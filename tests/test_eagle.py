@@ -22,15 +22,15 @@ from draftsmith.heads.eagle import (
     load_drafter,
     save_drafter,
 )
-from draftsmith.train.eagle_ttt import (
+from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.data.vocab import draft_vocab, t2d_index
+from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.objectives.eagle_ttt import (
     eagle1_loss,
     eagle3_ttt_loss,
     shift_left,
     ttt_attention_mask,
 )
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.speculative import generate
-from draftsmith.train.vocab import draft_vocab, t2d_index
 
 PROMPT_LEN, GEN_LEN = 8, 40
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from draftsmith.recipes.cli import main as cli
 from draftsmith.recipes.evaluate import main as evaluate
-from draftsmith.train.cli import main as cli
 
 
 def _run(tmp_path, *args):
@@ -237,7 +237,7 @@ def test_hf_assisted_matches_our_loop_with_the_same_draft(tmp_path, tiny_target_
 
 
 def test_hf_assisted_step_accounting():
-    from draftsmith.train.hf_assisted import _verification_steps
+    from draftsmith.train.decoding.hf_assisted import _verification_steps
 
     # Prompt of 10; forward 0 verifies 3 drafts with the prompt and accepts 2 (emits 3, the cache
     # keeps 12); forward 1 is fed 1 + 3 tokens and accepts 0 (emits 1, cache 13); forward 2
@@ -404,7 +404,7 @@ def test_fp32_drafters_beside_a_bf16_target_stay_lossless(tmp_path, tiny_target_
     import torch
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.load import load_target
 
     target, _ = load_target(str(tiny_target_dir))
     drafter = build_drafter(target, EagleConfig.from_target(target.config, 3), seed=0)

@@ -9,12 +9,12 @@ import torch
 
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
 from draftsmith.heads.medusa import MedusaHeads
-from draftsmith.train import export_eagle
-from draftsmith.train.cli import main as cli
-from draftsmith.train.draft_init import pruned_draft
-from draftsmith.train.export_hf import save_draft
-from draftsmith.train.export_medusa import load_medusa_export
-from draftsmith.train.target import load_target
+from draftsmith.recipes.cli import main as cli
+from draftsmith.train.export.command import eagle as export_eagle
+from draftsmith.train.export.hf import save_draft
+from draftsmith.train.export.medusa import load_medusa_export
+from draftsmith.train.objectives.draft_init import pruned_draft
+from draftsmith.train.target.load import load_target
 
 
 @pytest.fixture

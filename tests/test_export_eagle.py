@@ -1,4 +1,4 @@
-"""EAGLE exports (train/export_eagle.py): name mappings, config fields, round trips, atomicity."""
+"""EAGLE exports (train/export/eagle.py): name mappings, config fields, round trips, atomicity."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
-from draftsmith.train import export_eagle as ex
-from draftsmith.train.vocab import draft_vocab
+from draftsmith.train.data.vocab import draft_vocab
+from draftsmith.train.export.command import eagle as ex
 from tests.conftest import tiny_llama
 
 V, N = 64, 4  # tiny target: vocab, layers

@@ -20,21 +20,21 @@ import torch
 
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
 from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.recipes.cli import main as cli
 from draftsmith.train import safety
-from draftsmith.train import self_distill as sd_mod
-from draftsmith.train.cli import main as cli
-from draftsmith.train.draft_init import pruned_draft
-from draftsmith.train.export_hf import save_draft
-from draftsmith.train.hidden_states import (
+from draftsmith.train.data.hidden_states import (
     CacheMismatchError,
     HiddenStateCache,
     build_cache,
     feature_source,
     target_fingerprint,
 )
+from draftsmith.train.data.tokenize import self_distill as sd_mod
+from draftsmith.train.export.hf import save_draft
+from draftsmith.train.objectives.draft_init import pruned_draft
 from draftsmith.train.runinfo import clean_stale_dirs, output_lock, write_json_atomic
 from draftsmith.train.safety import DiskSpaceError, OutputLockedError
-from draftsmith.train.target import load_target
+from draftsmith.train.target.load import load_target
 from tests.conftest import tiny_llama, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,8 +225,7 @@ def test_exports_are_readable_by_other_users(tmp_path, target_dir, target, fmt):
 _SLOW_EXPORT = """
 import sys, time
 from pathlib import Path
-from draftsmith.train import export_eagle
-
+from draftsmith.train.export.command import eagle as export_eagle
 card = export_eagle._model_card
 
 def slow_card(*args, **kwargs):  # the weights are written; a kill now leaves the temp dir
@@ -345,8 +344,7 @@ def _distill_argv(tmp_path, target_dir, out) -> list[str]:
 _HELD_DISTILL = """
 import sys, time
 from pathlib import Path
-from draftsmith.train import self_distill
-
+from draftsmith.train.data.tokenize import self_distill
 batch = self_distill._distill_batch
 ready, go = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -376,7 +374,7 @@ def test_second_distill_into_one_output_is_refused(tmp_path, target_dir):
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
             time.sleep(0.1)
         second = subprocess.run(
-            [sys.executable, "-m", "draftsmith.train.cli", "data", "distill", *argv],
+            [sys.executable, "-m", "draftsmith.recipes.cli", "data", "distill", *argv],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -318,7 +318,7 @@ def test_resume_falls_back_from_a_truncated_checkpoint(tmp_path, tiny_target_dir
 
 def test_every_training_sample_is_seen_once_per_epoch(tmp_path, tiny_target_dir, monkeypatch):
     """20 training samples, batch 2, grad_accum 3: 10 micro-batches an epoch, not a multiple."""
-    import draftsmith.train.eagle_ttt as ttt
+    import draftsmith.train.objectives.eagle_ttt as ttt
 
     seen: list[str] = []
     real = ttt.eagle1_loss
@@ -352,7 +352,7 @@ def test_every_training_sample_is_seen_once_per_epoch(tmp_path, tiny_target_dir,
 
 
 def _prompts_only(tmp_path: Path) -> Path:
-    return REPO / "train" / "prompts" / "chat_prompts.jsonl"
+    return REPO / "train" / "data" / "prompt_sets" / "chat_prompts.jsonl"
 
 
 def _malformed(tmp_path: Path) -> Path:

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train import hidden_states as hs_mod
-from draftsmith.train.hidden_states import (
+from draftsmith.train.data.hidden_states import (
     CacheError,
     CacheMismatchError,
     DiskSpaceError,
@@ -28,7 +27,8 @@ from draftsmith.train.hidden_states import (
     main_cache,
     target_weights_hash,
 )
-from draftsmith.train.vocab import draft_vocab, load_vocab_stats, main_vocab
+from draftsmith.train.data.tokenize import hidden_states as hs_mod
+from draftsmith.train.data.vocab import draft_vocab, load_vocab_stats, main_vocab
 from tests.conftest import tiny_llama, tiny_model_dir
 
 LAYERS = [0, 2, 4]  # embeddings, a middle layer, the final normed output of the 4-layer target
@@ -439,7 +439,7 @@ def _launch(script: Path, *args: str) -> subprocess.CompletedProcess:
 RANK_SCRIPT = """
 import json, os, sys
 from draftsmith.train.config import parse_config
-from draftsmith.train.hidden_states import CacheConfig, run_cache
+from draftsmith.train.data.hidden_states import CacheConfig, run_cache
 s = run_cache(parse_config(CacheConfig, sys.argv[1:]))
 # One file per rank: two ranks printing to one pipe can interleave their lines.
 path = os.path.join(os.environ["SUMMARY_DIR"], f"rank{s['process_index']}.json")
@@ -507,7 +507,7 @@ FSDP_SCRIPT = """
 import sys, torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from draftsmith.train.hidden_states import (
+from draftsmith.train.data.hidden_states import (
     CacheError, TokenDataset, build_cache, collate_hidden_states, compute_hidden_states,
     process_state,
 )

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from draftsmith.train.kernels import flatten_linear_inputs
+from draftsmith.train.target.kernels import flatten_linear_inputs
 
 
 def test_patched_linear_matches_and_keeps_state_dict():

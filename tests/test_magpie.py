@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.magpie: prefix derivation, filters, dedupe, determinism, resume."""
+"""Tests for draftsmith.train.data.magpie: prefix derivation, filters, dedupe, determinism, resume."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.data import DataFileError, TemplateError, load_records
-from draftsmith.train.magpie import (
+from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.data.magpie import (
     FilterRules,
     MagpieError,
     PromptIndex,
@@ -25,11 +25,11 @@ from draftsmith.train.magpie import (
     normalize,
     user_turn_prefix,
 )
-from draftsmith.train.prompts import DEFAULT_PROMPTS
+from draftsmith.train.data.prompts import DEFAULT_PROMPTS
+from draftsmith.train.data.self_distill import main_distill
+from draftsmith.train.data.tokenize import DataFileError, TemplateError, load_records
 from draftsmith.train.runinfo import output_lock
 from draftsmith.train.safety import OutputLockedError
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.self_distill import main_distill
 from tests.conftest import byte_tokenizer, tiny_llama
 
 MAX_NEW = 32

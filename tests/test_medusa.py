@@ -19,12 +19,14 @@ from draftsmith.heads.medusa import (
     load_medusa,
     medusa_proposer,
 )
-from draftsmith.train.export_medusa import (
+from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.export.medusa import (
     export_medusa_original,
     export_medusa_vllm,
     load_medusa_export,
 )
-from draftsmith.train.medusa_train import (
+from draftsmith.train.objectives.medusa import (
     Medusa1Objective,
     Medusa2Objective,
     accuracy_report,
@@ -34,8 +36,6 @@ from draftsmith.train.medusa_train import (
     rank_counts,
     warmup_cosine,
 )
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.speculative import generate
 from tests.conftest import tiny_llama
 
 V, H = 64, 32

@@ -16,8 +16,8 @@ from draftsmith.heads.medusa import load_medusa, medusa_proposer, medusa_target_
 from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.recipes.medusa import main as train_medusa
 from draftsmith.train.config import ConfigError, load_config
-from draftsmith.train.speculative import generate
-from draftsmith.train.target import load_target
+from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.target.load import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -152,8 +152,8 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
 
 def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
     from draftsmith.train.core.data import load_samples
-    from draftsmith.train.data import template_fingerprint
-    from draftsmith.train.hidden_states import build_cache
+    from draftsmith.train.data.hidden_states import build_cache
+    from draftsmith.train.data.tokenize import template_fingerprint
 
     assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
     target, tokenizer = load_target(tiny_target_dir)

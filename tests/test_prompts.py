@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.prompts (prompt-file loading and chat rendering)."""
+"""Tests for draftsmith.train.data.prompts (prompt-file loading and chat rendering)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from draftsmith.train.prompts import (
+from draftsmith.train.data.prompts import (
     DEFAULT_PROMPTS,
     PromptFileError,
     PromptRecord,

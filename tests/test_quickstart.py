@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftsmith.train.cli import main as cli
-from draftsmith.train.quickstart import (
+from draftsmith.recipes.cli import main as cli
+from draftsmith.recipes.quickstart import (
     STATE_FILE,
     QuickstartConfig,
     make_plan,
@@ -51,7 +51,7 @@ def writer_target(path: Path) -> Path:
     turn of letters and spaces ends every few dozen tokens (as in tests/test_magpie.py). Each of
     those rows gets its own small noise: equal rows would tie exactly wherever the hidden state
     points the other way, and an exact tie's argmax may differ between forwards of two widths."""
-    from draftsmith.train.magpie import user_turn_prefix
+    from draftsmith.train.data.magpie import user_turn_prefix
 
     tok = byte_tokenizer()
     model = tiny_llama(vocab_size=len(tok), init_std=0.1)
@@ -103,8 +103,8 @@ def job(tmp_path_factory):
 
 
 def test_main_job_runs_every_stage(job):
-    from draftsmith.train.export_eagle import load_export
-    from draftsmith.train.target import load_target
+    from draftsmith.train.export.eagle import load_export
+    from draftsmith.train.target.load import load_target
 
     assert job.code == 0, job.printed
     out = job.out
@@ -179,7 +179,7 @@ def test_main_job_runs_every_stage(job):
 
 
 def _heldout():
-    from draftsmith.train.prompts import load_prompts
+    from draftsmith.train.data.prompts import load_prompts
 
     return load_prompts(split="heldout")
 
@@ -270,7 +270,7 @@ def test_bad_inputs_fail_before_any_stage(tmp_path, capsys):
 def test_default_commands_use_the_shipped_fast_settings(tmp_path):
     """Without flags: bf16 target and autocast, offline cache, 3 TTT steps, bf16 evaluation
     with plain decoding timed in both dtypes (evaluate's default), answers of 128 tokens."""
-    from draftsmith.train.quickstart import Quickstart
+    from draftsmith.recipes.quickstart import Quickstart
 
     qs = Quickstart(QuickstartConfig(out_dir=tmp_path), [])
     qs._load_state()
@@ -322,8 +322,8 @@ def test_default_plan_fits_the_budget():
 
 
 def test_ctrl_c_keeps_the_stage_resumable(tmp_path, monkeypatch, capsys, job):
-    from draftsmith.train import cli as cli_module
-    from draftsmith.train import quickstart
+    from draftsmith.recipes import cli as cli_module
+    from draftsmith.recipes import quickstart
 
     def interrupted(argv):
         raise KeyboardInterrupt

@@ -9,16 +9,16 @@ import pytest
 
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
-from draftsmith.train.prompts import load_prompts, render_prompt
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.speculative import generate
+from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.data.prompts import load_prompts, render_prompt
+from draftsmith.train.decoding.speculative import generate
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def real():
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.load import load_target
 
     return load_target()
 

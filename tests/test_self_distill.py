@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.self_distill: batched generation, record shapes, resume, seeds."""
+"""Tests for draftsmith.train.data.self_distill: batched generation, record shapes, resume, seeds."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.data import chat_token_ids, load_records
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.self_distill import (
+from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.data.self_distill import (
     DistillError,
     generate_batch,
     main_distill,
     read_completed,
     self_distill,
 )
-from draftsmith.train.speculative import generate
+from draftsmith.train.data.tokenize import chat_token_ids, load_records
+from draftsmith.train.decoding.speculative import generate
 from tests.conftest import byte_tokenizer, tiny_llama
 
 MAX_NEW = 8

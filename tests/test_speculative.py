@@ -10,8 +10,8 @@ import torch
 from draftsmith.heads.base import Proposal
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
 from draftsmith.heads.ngram import NGramDrafter
-from draftsmith.train.sampling import SamplingParams, logits_to_probs
-from draftsmith.train.speculative import _keep_cache, generate
+from draftsmith.heads.sampling import SamplingParams, logits_to_probs
+from draftsmith.train.decoding.speculative import _keep_cache, generate
 from tests.conftest import tiny_llama
 
 

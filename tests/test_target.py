@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.target.
+"""Tests for draftsmith.train.target.load.
 
 Everything except the ``slow`` test runs offline on a tiny random Llama (vocab 128, hidden 32,
 2 layers) whose tokenizer is trained on the spot with ``tokenizers``. The GGUF path is tested
@@ -22,8 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from draftsmith.train import target
-from draftsmith.train.target import (
+from draftsmith.train.target.load import (
     DEFAULT_TARGET,
     MARKER_FILE,
     TargetError,
@@ -32,6 +31,7 @@ from draftsmith.train.target import (
     main_prepare_target,
     prepare_target,
 )
+from draftsmith.train.target.load import load as target
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -214,7 +214,7 @@ def _chat_ids(tokenizer) -> torch.Tensor:
 def _prepare_worker(gguf_path: str, cache_dir: str, barrier, results) -> None:
     """Spawned process: race prepare_target against the others, report (path, converted?)."""
     try:
-        from draftsmith.train import target as t
+        from draftsmith.train.target.load import load as t
 
         converted = []
         real_build = t._build

@@ -34,8 +34,8 @@ TARGET = Path(
         os.environ.get("DRAFTSMITH_TARGET_DIR", "~/.cache/draftsmith/targets/smollm2-135m-instruct")
     )
 )
-# The project's own prompt set (train/prompts/), held-out records.
-PROMPTS = REPO / "train" / "prompts" / "chat_prompts.jsonl"
+# The project's own prompt set (train/data/prompt_sets/), held-out records.
+PROMPTS = REPO / "train" / "data" / "prompt_sets" / "chat_prompts.jsonl"
 K = 3
 
 if not VLLM_PYTHON.exists():
@@ -108,7 +108,7 @@ def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
     import torch
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
-    from draftsmith.train.vocab import draft_vocab
+    from draftsmith.train.data.vocab import draft_vocab
 
     cfg = EagleConfig.from_target(
         target.config, version, draft_vocab_size=8192 if version == 3 else None
@@ -205,7 +205,7 @@ def test_ngram(tmp_path):
 
 
 def test_eagle3_speculators_export(tmp_path, target):
-    from draftsmith.train.export_eagle import export_speculators
+    from draftsmith.train.export.eagle import export_speculators
 
     src = _drafter_dir("DRAFTSMITH_EAGLE3_DIR", 3, target, tmp_path)
     out = export_speculators(src, tmp_path / "speculators", verifier_name_or_path=str(TARGET))
@@ -215,7 +215,7 @@ def test_eagle3_speculators_export(tmp_path, target):
 
 def test_eagle3_sglang_layout_also_loads_in_vllm(tmp_path, target):
     # vLLM maps LlamaForCausalLMEagle3 to its EAGLE-3 model and renames midlayer.* itself.
-    from draftsmith.train.export_eagle import export_eagle3
+    from draftsmith.train.export.eagle import export_eagle3
 
     src = _drafter_dir("DRAFTSMITH_EAGLE3_DIR", 3, target, tmp_path)
     out = export_eagle3(src, tmp_path / "eagle3")
@@ -224,7 +224,7 @@ def test_eagle3_sglang_layout_also_loads_in_vllm(tmp_path, target):
 
 
 def test_eagle1_export(tmp_path, target):
-    from draftsmith.train.export_eagle import export_eagle
+    from draftsmith.train.export.eagle import export_eagle
 
     src = _drafter_dir("DRAFTSMITH_EAGLE1_DIR", 1, target, tmp_path)
     out = export_eagle(src, tmp_path / "eagle")

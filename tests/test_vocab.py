@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.train.vocab import (
+from draftsmith.train.data.vocab import (
     coverage,
     draft_vocab,
     iter_token_chunks,

@@ -102,7 +102,7 @@ def load_samples(
     """The training samples as a ``datasets.Dataset`` (``input_ids``, ``loss_mask``, ``id``).
 
     ``path`` holds conversations (tokenized here with the target's chat template, see
-    :func:`draftsmith.train.data.build_dataset`) or samples already tokenized by ``draftsmith
+    :func:`draftsmith.train.data.tokenize.build_dataset`) or samples already tokenized by ``draftsmith
     data tokenize`` (a ``save_to_disk`` dir, or JSONL with ``input_ids``; used as they are,
     truncated to ``max_length``, samples without a supervised token dropped).
 
@@ -117,8 +117,8 @@ def load_samples(
         ``(dataset, summary)``; ``summary`` is the tokenization's ``DataSummary`` (what was
         dropped and why), None for tokenized data.
     """
-    from draftsmith.train.data import build_dataset
-    from draftsmith.train.vocab import load_token_data
+    from draftsmith.train.data.tokenize import build_dataset
+    from draftsmith.train.data.vocab import load_token_data
 
     path = Path(path)
     summary = None
@@ -216,7 +216,7 @@ def check_enough_data(
         n_samples: samples with a supervised token (before the validation split).
         n_train: samples left to train on after the split.
         source: the data file or cache (named in the message).
-        summary: the :class:`~draftsmith.train.data.DataSummary` of the tokenization, if any
+        summary: the :class:`~draftsmith.train.data.tokenize.DataSummary` of the tokenization, if any
             (its ``dropped`` counts say why records were left out).
         min_train_samples: fewer training samples than this are refused.
         allow: the user's ``allow_little_data``: only an empty data set is refused.
@@ -260,10 +260,10 @@ def input_errors() -> Iterator[None]:
     file, a chat-template problem, a target that cannot be loaded, a cache that does not match);
     they are the user's to fix, not a bug to show a traceback for.
     """
-    from draftsmith.train.data import DataFileError, TemplateError
+    from draftsmith.train.data.hidden_states import CacheError
+    from draftsmith.train.data.tokenize import DataFileError, TemplateError
     from draftsmith.train.errors import RunError
-    from draftsmith.train.hidden_states import CacheError
-    from draftsmith.train.target import TargetError
+    from draftsmith.train.target.load import TargetError
 
     try:
         yield

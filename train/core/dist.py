@@ -30,7 +30,7 @@ def start_processes(timeout_minutes: float) -> Any:
     """This process's accelerate ``PartialState``, the process group created with a timeout.
 
     CPU processes (gloo) are used when the machine has no accelerator (see
-    :func:`draftsmith.train.hidden_states.process_state`); ``ACCELERATE_USE_CPU=1`` forces them.
+    :func:`draftsmith.train.data.hidden_states.process_state`); ``ACCELERATE_USE_CPU=1`` forces them.
     Must run before the ``Accelerator`` is built (the state is process-wide).
     """
     from accelerate import PartialState

@@ -391,7 +391,7 @@ class TrainRun:
         Args:
             step: the optimizer step validated.
             metrics: ``val/...`` figures.
-            sim_tau: :func:`draftsmith.train.metrics.simulated_tau` of the validation.
+            sim_tau: :func:`draftsmith.train.decoding.metrics.simulated_tau` of the validation.
             save_best: writes the drafter into a directory (called on every process, writes on
                 the main one); None: no best drafter is kept.
         """

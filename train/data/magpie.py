@@ -3,7 +3,7 @@
 Launch::
 
     draftsmith data prompts --output prompts.jsonl --num 2000 --include-shipped
-    python -m draftsmith.train.magpie --output p.jsonl --num 500 --input mine.jsonl \\
+    python -m draftsmith.train.data.magpie --output p.jsonl --num 500 --input mine.jsonl \\
         --exclude ../shared/data/alpaca_2k.jsonl
 
 An instruction-tuned model, fed its chat template up to the start of a *user* turn, continues
@@ -14,7 +14,7 @@ rendered and cut at the sentinel, so no role strings live in this code. The mess
 until the end-of-turn token (the tokenizer's EOS, the model's generation-config EOS ids, and the
 special token the template puts right after a user message).
 
-Generation reuses :func:`draftsmith.train.self_distill.generate_batch` (one KV cache per batch;
+Generation reuses :func:`draftsmith.train.data.self_distill.generate_batch` (one KV cache per batch;
 every row has the same prefix, so there is no padding). Candidate ``i`` is sampled with its own
 generator seeded from ``(seed, i)``, so its text does not depend on its batch. Candidates are then
 filtered and deduplicated in index order (see :func:`check_text` and :class:`PromptIndex`), which
@@ -60,8 +60,21 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.heads.sampling import SamplingParams
 from draftsmith.train.config import cfg_field, parse_config
-from draftsmith.train.data import (
+from draftsmith.train.data.prompts import DEFAULT_PROMPTS
+from draftsmith.train.data.self_distill import (
+    _append,
+    _as_list,
+    _device_problems,
+    _resolve_split,
+    _write_meta,
+    generate_batch,
+)
+from draftsmith.train.data.self_distill import (
+    _check_meta as _check_distill_meta,
+)
+from draftsmith.train.data.tokenize import (
     SHAPES,
     Conversation,
     DataFileError,
@@ -71,21 +84,8 @@ from draftsmith.train.data import (
     template_fingerprint,
 )
 from draftsmith.train.errors import RunError, UsageError, cli_main
-from draftsmith.train.prompts import DEFAULT_PROMPTS
 from draftsmith.train.runinfo import output_lock
 from draftsmith.train.safety import DiskSpaceError, disk_full, ensure_free_space
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.self_distill import (
-    _append,
-    _as_list,
-    _device_problems,
-    _resolve_split,
-    _write_meta,
-    generate_batch,
-)
-from draftsmith.train.self_distill import (
-    _check_meta as _check_distill_meta,
-)
 
 __all__ = [
     "DEFAULT_SAMPLING",
@@ -453,7 +453,7 @@ def load_seed_prompts(
     never included.
 
     Args:
-        path: Any file or directory :func:`~draftsmith.train.data.load_records` reads.
+        path: Any file or directory :func:`~draftsmith.train.data.tokenize.load_records` reads.
         id_prefix: Prefix of the output ids (``"shipped"``, ``"input0"``).
         source: The records' ``source`` field.
         shape: Record shape, or ``"auto"``.
@@ -1033,7 +1033,7 @@ def main_prompts(argv: list[str] | None = None) -> int:
 
 
 def _main_prompts(argv: list[str]) -> int:
-    from draftsmith.train.target import load_target
+    from draftsmith.train.target.load import load_target
 
     cfg = parse_config(
         PromptsConfig,

@@ -11,7 +11,7 @@ The target's distribution comes from the target's own head applied to its final 
 state (HF ``hidden_states[N]``), which both losses take from ``batch["hidden_states"][N]``
 (:attr:`draftsmith.heads.eagle.EagleConfig.train_layers` includes N).
 
-Batches are those of :func:`draftsmith.train.hidden_states.feature_source` (right-padded):
+Batches are those of :func:`draftsmith.train.data.hidden_states.feature_source` (right-padded):
 ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and ``hidden_states {layer: [B, T, H]}``.
 Both functions accept the drafter bare or inside a DDP/accelerate wrapper; every drafter
 parameter is used inside ``drafter(...)`` calls.

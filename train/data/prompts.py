@@ -37,7 +37,7 @@ __all__ = [
     "render_prompt",
 ]
 
-DEFAULT_PROMPTS: Path = Path(__file__).resolve().parent / "prompts" / "chat_prompts.jsonl"
+DEFAULT_PROMPTS: Path = Path(__file__).resolve().parent / "prompt_sets" / "chat_prompts.jsonl"
 """The project's own 64-prompt set (32 ``train``, 32 ``heldout``), shipped as package data."""
 
 HELDOUT_ID_MODULUS = 10

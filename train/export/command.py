@@ -140,7 +140,7 @@ def export(cfg: ExportConfig) -> Path:
     )
     target = cfg.target or _default_target()
     if cfg.format in ("speculators", "eagle3", "eagle"):
-        from draftsmith.train import export_eagle
+        from draftsmith.train.export.command import eagle as export_eagle
 
         common = dict(
             speculative_tokens=cfg.speculative_tokens,
@@ -161,16 +161,16 @@ def export(cfg: ExportConfig) -> Path:
         )
     _refuse_existing(cfg)
     if cfg.format == "medusa-vllm":
-        from draftsmith.train.export_medusa import export_medusa_vllm
+        from draftsmith.train.export.medusa import export_medusa_vllm
 
         return export_medusa_vllm(cfg.checkpoint, cfg.out, target_name_or_path=target, dtype=dtype)
     if cfg.format == "medusa":
-        from draftsmith.train.export_medusa import export_medusa_original
+        from draftsmith.train.export.medusa import export_medusa_original
 
         return export_medusa_original(
             cfg.checkpoint, cfg.out, base_model_name_or_path=target, dtype=dtype
         )
-    from draftsmith.train.export_hf import export_hf
+    from draftsmith.train.export.hf import export_hf
 
     if dtype is not None:
         raise ExportError("dtype: the hf export keeps the draft's own dtype")
@@ -185,7 +185,7 @@ def _refuse_existing(cfg: ExportConfig) -> None:
 
 
 def _default_target() -> str:
-    from draftsmith.train.target import prepare_target
+    from draftsmith.train.target.load import prepare_target
 
     return str(prepare_target(quiet=True))
 

@@ -30,8 +30,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from draftsmith.heads.base import Drafter, Features, Proposal
-from draftsmith.train.draft_length import AdaptiveDraftLength
-from draftsmith.train.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
+from draftsmith.heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
+from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
 
 
 @dataclass
@@ -237,7 +237,7 @@ def generate(
         eos_token_id: token(s) that end generation (kept in the output, as HF does).
         generator: randomness for sampling (seed it for reproducible runs).
         draft_length: if given, picks each step's draft length (<= k) from measured acceptance
-            and costs (see :mod:`draftsmith.train.draft_length`); None drafts k every step.
+            and costs (see :mod:`draftsmith.train.decoding.draft_length`); None drafts k every step.
 
     Returns:
         The generated tokens and counters.

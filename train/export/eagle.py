@@ -71,7 +71,7 @@ import torch
 
 from draftsmith.heads.eagle import EagleConfig, EagleDrafter
 from draftsmith.train.errors import RunError, cli_main
-from draftsmith.train.export import (
+from draftsmith.train.export.command import (
     ExportError,
     MissingCheckpointError,
     check_finite,

@@ -2,8 +2,8 @@
 
 ``target.generate(assistant_model=draft)`` is what most users reach for first when they have a
 draft LM (transformers' "assisted generation", Leviathan et al. 2023 with greedy verification).
-To compare it with :func:`draftsmith.train.speculative.generate` like for like, this module runs
-it on one prompt and fills a :class:`~draftsmith.train.speculative.GenerationOutput`:
+To compare it with :func:`draftsmith.train.decoding.speculative.generate` like for like, this module runs
+it on one prompt and fills a :class:`~draftsmith.train.decoding.speculative.GenerationOutput`:
 
 * ``target_forwards`` counts calls of the target's ``forward`` (a forward pre-hook), prefill
   included, exactly as our loop counts them, so τ means the same thing;
@@ -28,8 +28,8 @@ from collections.abc import Collection
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.train.sampling import SamplingParams
-from draftsmith.train.speculative import GenerationOutput
+from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.decoding.speculative import GenerationOutput
 
 
 class HFAssisted:

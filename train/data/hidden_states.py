@@ -17,7 +17,7 @@ Cache directory layout::
     manifest.json               written LAST: its presence means "complete"; what, from what
     index.safetensors           sample -> (shard, offset, length), int64 [N] each
     ids.json                    the samples' ``id`` values, in dataset order
-    vocab_stats.safetensors     supervised-token counts [V] (see draftsmith.train.vocab)
+    vocab_stats.safetensors     supervised-token counts [V] (see draftsmith.train.data.vocab)
     shard-00000.safetensors     hidden [n_tok, L, H], input_ids [n_tok], loss_mask [n_tok],
     shard-00001.safetensors     offsets [n+1], sample_index [n]; header: plan hash, shard no.
 
@@ -68,15 +68,15 @@ import torch
 
 from draftsmith.train import safety
 from draftsmith.train.config import cfg_field
-from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.runinfo import json_text, output_lock
-from draftsmith.train.vocab import (
+from draftsmith.train.data.vocab import (
     VOCAB_STATS_FILE,
     iter_token_chunks,
     load_token_data,
     save_vocab_stats,
     token_counts,
 )
+from draftsmith.train.errors import UsageError, cli_main
+from draftsmith.train.runinfo import json_text, output_lock
 
 if TYPE_CHECKING:
     from accelerate import PartialState
@@ -275,7 +275,7 @@ def dataset_fingerprint(data: Any, max_length: int | None = None) -> str:
     ``id`` column is not included (it does not change any tensor).
 
     Args:
-        data: see :func:`draftsmith.train.vocab.iter_token_chunks`.
+        data: see :func:`draftsmith.train.data.vocab.iter_token_chunks`.
         max_length: if set, samples are hashed as truncated to this many tokens.
 
     Returns:
@@ -324,7 +324,7 @@ def _scan(
 
 def _template_fingerprint(tokenizer: Any) -> str:
     """The tokenizer's template fingerprint, exactly as the data stage records it."""
-    from draftsmith.train.data import template_fingerprint
+    from draftsmith.train.data.tokenize import template_fingerprint
 
     return template_fingerprint(tokenizer)
 
@@ -1609,7 +1609,7 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
     """Load the target and data a :class:`CacheConfig` names and call :func:`build_cache`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from draftsmith.train.target import TargetError, prepare_target
+    from draftsmith.train.target.load import TargetError, prepare_target
 
     state = process_state()
     if cfg.device_map is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:

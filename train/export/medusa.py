@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, WEIGHTS_FILE, MedusaHeads, load_medusa
-from draftsmith.train.export import (
+from draftsmith.train.export.command import (
     ExportError,
     MissingCheckpointError,
     check_finite,

@@ -499,7 +499,7 @@ def _run_vocab(cfg: VocabConfig) -> dict[str, Any]:
     if vocab_size is None or (cfg.include_eos and cfg.draft_vocab_size):
         from transformers import AutoConfig, AutoTokenizer
 
-        from draftsmith.train.target import prepare_target
+        from draftsmith.train.target.load import prepare_target
 
         tpath = (manifest or {}).get("target", {}).get("path") if cfg.target is None else None
         tpath = tpath if tpath and Path(tpath).is_dir() else None
@@ -550,7 +550,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 def _open_any(path: Path) -> Any:
     """A cache directory (read through its shards) or tokenized data."""
     if _read_manifest(path) is not None:
-        from draftsmith.train.hidden_states import HiddenStateCache
+        from draftsmith.train.data.hidden_states import HiddenStateCache
 
         return HiddenStateCache(path).token_view()
     return load_token_data(path)

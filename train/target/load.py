@@ -178,8 +178,8 @@ def load_target(
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/kernels.py).
-    from draftsmith.train.kernels import flatten_linear_inputs
+    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target/kernels.py).
+    from draftsmith.train.target.kernels import flatten_linear_inputs
 
     flatten_linear_inputs(model)
     return model, tokenizer

@@ -14,7 +14,7 @@ The one path data takes (see ``shared/DESIGN.md``)::
                 ``human``/``user``, ``gpt``/``assistant`` or ``system``.
 ``alpaca``      ``{"instruction": ..., "input": ..., "output": ...}``; ``input`` and ``output``
                 optional. The user turn is the instruction, then a blank line and the input
-                when the input is not blank (the same rule as :mod:`draftsmith.train.prompts`).
+                when the input is not blank (the same rule as :mod:`draftsmith.train.data.prompts`).
 ``prompt``      ``{"prompt": ..., "system": ..., "completion": ...}``; ``system`` and
                 ``completion`` optional (the prompt files of ``draftsmith evaluate``, and TRL's
                 prompt-completion shape).
@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.train.config import cfg_field
+from draftsmith.train.data.prompts import HELDOUT_ID_MODULUS, token_ids
 from draftsmith.train.errors import UsageError
-from draftsmith.train.prompts import HELDOUT_ID_MODULUS, token_ids
 
 __all__ = [
     "SHAPES",
@@ -1173,7 +1173,7 @@ def _main_tokenize(argv: list[str]) -> int:
 
     from draftsmith.train.config import parse_config
     from draftsmith.train.runinfo import OutputExistsError, output_lock, staged_dir
-    from draftsmith.train.target import prepare_target
+    from draftsmith.train.target.load import prepare_target
 
     cfg = parse_config(TokenizeConfig, argv, prog="draftsmith data tokenize")
     out = Path(cfg.output)

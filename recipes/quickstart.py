@@ -23,7 +23,7 @@ then the summary: the results table, ``plots/``, ``summary.md`` (everything prin
 plan, command, versions, machine).
 
 Prompts: the project's 32 shipped ``train`` prompts and an optional ``--prompts`` file are the
-Magpie seeds, then the target writes the rest (``train/magpie.py``); the shipped held-out prompts
+Magpie seeds, then the target writes the rest (``train/data/magpie.py``); the shipped held-out prompts
 are excluded from training and are what the evaluation decodes. Settings are those of
 ``recipes/configs/eagle3_smollm2.yaml``, which trains fastest on a CPU: bf16 target, bf16
 autocast, an offline hidden-state cache, 3 TTT steps, lr 6e-4; evaluation in bf16 with plain
@@ -525,7 +525,7 @@ class Quickstart:
 
     def run_stage(self, index: int, stage: Stage) -> None:
         """Skip ``stage`` if its output is complete and unchanged; else run (or resume) it."""
-        from draftsmith.train import cli
+        from draftsmith.recipes import cli
 
         rec = self.state["stages"].setdefault(stage.name, {})
         key = _hash(stage.name, stage.identity, self.prev_key)
@@ -671,8 +671,8 @@ class Quickstart:
 
     def _check_inputs(self) -> tuple[str, int]:
         """Read the prompt sources now, so a bad file fails before any model loads."""
-        from draftsmith.train.magpie import load_seed_prompts
-        from draftsmith.train.prompts import DEFAULT_PROMPTS
+        from draftsmith.train.data.magpie import load_seed_prompts
+        from draftsmith.train.data.prompts import DEFAULT_PROMPTS
 
         shipped = load_seed_prompts(DEFAULT_PROMPTS, id_prefix="shipped", source="shipped")
         digest = _file_hash(DEFAULT_PROMPTS)
@@ -735,7 +735,7 @@ class Quickstart:
         return {"threads": self.cfg.threads, "progress": None if self.cfg.progress else False}
 
     def _prepare(self) -> Stage:
-        from draftsmith.train.target import prepare_target
+        from draftsmith.train.target.load import prepare_target
 
         def complete() -> bool:
             recorded = self.state["stages"].get("prepare", {}).get("target_path")
@@ -1065,7 +1065,7 @@ class Quickstart:
 
     def _summary(self) -> dict[str, Any]:
         """Print the results, paths and the serve command; write summary.md and the plots."""
-        from draftsmith.train.metrics import results_table
+        from draftsmith.train.decoding.metrics import results_table
 
         result = _read_json(self.out / REPORT)
         training = _read_json(self.out / RUN / "training_metrics.json")

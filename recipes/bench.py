@@ -31,7 +31,7 @@ Outputs, for ``--out OUT``:
 
 **Recommendation** (:func:`recommend`): for each chain drafter (ours: n-gram, draft LM, EAGLE,
 Medusa, and any kind added later whose name does not end in ``-tree``), the speedup predicted at
-k = 1..``max_k`` by :func:`~draftsmith.train.draft_length.predicted_speedups` from its measured
+k = 1..``max_k`` by :func:`~draftsmith.train.decoding.draft_length.predicted_speedups` from its measured
 α, its measured drafting seconds per drafted token and the verify cost per width of
 ``scripts/bench_forward.py``'s profile (``--cost-profile``, default ``bench/forward_cost.json``).
 α beyond the measured k is extrapolated (the last conditional acceptance rate held constant) and
@@ -58,9 +58,9 @@ from draftsmith.train.config import (
     config_from_args,
     config_to_dict,
 )
-from draftsmith.train.draft_length import load_cost_profile, predicted_speedups
+from draftsmith.train.decoding.draft_length import load_cost_profile, predicted_speedups
+from draftsmith.train.decoding.metrics import identical_text
 from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.metrics import identical_text
 from draftsmith.train.runinfo import run_info, write_json_atomic
 
 __all__ = [
@@ -406,7 +406,7 @@ def _evaluate_argv(cfg: BenchConfig, temperature: float, out: Path) -> list[str]
 
 def _call(argv: list[str]) -> int:
     """``draftsmith ARGV`` in this process (the CLI dispatch, as the quickstart's stages)."""
-    from draftsmith.train import cli
+    from draftsmith.recipes import cli
 
     print(f"[bench] $ {shlex.join(['draftsmith', *argv])}", flush=True)
     try:

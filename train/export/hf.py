@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith.train.errors import RunError, cli_main
-from draftsmith.train.export import (
+from draftsmith.train.export.command import (
     ExportError,
     MissingCheckpointError,
     check_finite,

@@ -19,7 +19,7 @@ from draftsmith.train.errors import UsageError, cli_main
 
 
 def _prepare_target(argv: list[str]) -> int:
-    from draftsmith.train.target import main_prepare_target
+    from draftsmith.train.target.load import main_prepare_target
 
     return main_prepare_target(argv)
 
@@ -32,13 +32,13 @@ def _evaluate(argv: list[str]) -> int:
 
 def _bench(argv: list[str]) -> int:
     """Every drafter against one plain baseline, greedy and sampled: tables, plots, best k."""
-    from draftsmith.train.bench import main
+    from draftsmith.recipes.bench import main
 
     return main(argv)
 
 
 def _export(argv: list[str]) -> int:
-    from draftsmith.train.export import main
+    from draftsmith.train.export.command import main
 
     return main(argv)
 
@@ -72,27 +72,27 @@ def _train(argv: list[str]) -> int:
 
 DATA_COMMANDS = {
     "prompts": (
-        "draftsmith.train.magpie",
+        "draftsmith.train.data.magpie",
         "main_prompts",
         "make training prompts: the target writes them (Magpie) + shipped + your files, deduped",
     ),
     "tokenize": (
-        "draftsmith.train.data",
+        "draftsmith.train.data.tokenize",
         "main_tokenize",
         "chat-template tokenization with assistant-only loss masks -> a saved dataset",
     ),
     "distill": (
-        "draftsmith.train.self_distill",
+        "draftsmith.train.data.self_distill",
         "main_distill",
         "regenerate the assistant turns of a dataset with the target (self-distillation)",
     ),
     "cache": (
-        "draftsmith.train.hidden_states",
+        "draftsmith.train.data.hidden_states",
         "main_cache",
         "store the target's hidden states of chosen layers for offline training",
     ),
     "vocab": (
-        "draftsmith.train.vocab",
+        "draftsmith.train.data.vocab",
         "main_vocab",
         "token frequencies over supervised tokens; EAGLE-3 draft vocabulary (d2t/t2d)",
     ),
@@ -103,11 +103,11 @@ DATA_COMMANDS = {
 # :func:`parse_command` checks a written command line against without running it.
 COMMAND_CONFIGS: dict[str, dict[str, tuple[str, str]]] = {
     "data": {
-        "prompts": ("draftsmith.train.magpie", "PromptsConfig"),
-        "tokenize": ("draftsmith.train.data", "TokenizeConfig"),
-        "distill": ("draftsmith.train.self_distill", "DistillConfig"),
-        "cache": ("draftsmith.train.hidden_states", "CacheConfig"),
-        "vocab": ("draftsmith.train.vocab", "VocabConfig"),
+        "prompts": ("draftsmith.train.data.magpie", "PromptsConfig"),
+        "tokenize": ("draftsmith.train.data.tokenize", "TokenizeConfig"),
+        "distill": ("draftsmith.train.data.self_distill", "DistillConfig"),
+        "cache": ("draftsmith.train.data.hidden_states", "CacheConfig"),
+        "vocab": ("draftsmith.train.data.vocab", "VocabConfig"),
     },
     "train": {
         "eagle": ("draftsmith.recipes.eagle", "EagleTrainConfig"),
@@ -178,9 +178,9 @@ def _quickstart(argv: list[str]) -> int:
     """The main job on one target: prompts -> answers -> cache -> EAGLE-3 -> evaluate -> export.
 
     Each stage is one of the commands below, called through this dispatch
-    (``draftsmith.train.quickstart``).
+    (``draftsmith.recipes.quickstart``).
     """
-    from draftsmith.train.quickstart import main
+    from draftsmith.recipes.quickstart import main
 
     return main(argv)
 

@@ -1,0 +1,1 @@
+"""Export of trained drafters to the layouts serving engines load (speculators, EAGLE, Medusa, HF)."""
