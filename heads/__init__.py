@@ -1,1 +1,1 @@
-"""draftsmith.heads."""
+"""Drafters, their contract with the verification loop (base.py) and the --drafter kinds."""

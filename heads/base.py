@@ -1,8 +1,8 @@
 """The contract between drafters and the speculative verification loop.
 
-The loop (``draftsmith.train.decoding.speculative``) owns the target, its KV cache, sampling and acceptance.
-A drafter only proposes tokens and keeps its own state in step with what was accepted. The loop
-never asks which kind of drafter it runs; adding a drafter never changes the loop.
+The loop (``draftsmith.train.decoding.speculative``) owns the target, its KV cache, sampling and
+acceptance. A drafter only proposes tokens and keeps its own state in step with what was accepted.
+The loop never asks which kind of drafter it runs; adding a drafter never changes the loop.
 
 Call order for one sequence::
 
@@ -18,12 +18,21 @@ the target's hidden states at every position of ``ids`` except that last one, de
 incrementally: the prompt's at ``start`` and, after each verification, those of the positions the
 step kept (the previous last token plus the accepted draft tokens). They come from the verification
 forward itself -- no extra target pass (EAGLE §3; Medusa §2.1 use the same hidden states).
+
+Building and naming (``heads/registry.py``): each drafter module declares the ``--drafter`` kinds
+it serves as :class:`DrafterKind` values -- a builder taking the spec's path and the run's
+:class:`BuildOptions`, and whether a path is required -- and every object a builder returns
+carries a ``name`` (how reports call the method). A reference drafter that decodes in its own loop
+instead of proposing to ours (transformers' assisted generation) has a ``generate`` method taking
+the loop's keyword arguments and returning a :class:`GenerationOutput`, used in place of the loop
+(:func:`runs_own_loop`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -108,3 +117,124 @@ class Drafter(Protocol):
                 per layer (the previous last token, then the accepted draft tokens).
         """
         ...
+
+
+@dataclass
+class GenerationOutput:
+    """Tokens and counters of one generated sequence (the loop's and own-loop drafters' result).
+
+    Attributes:
+        tokens: generated token ids (prompt excluded), at most ``max_new_tokens``.
+        target_forwards: target forward passes, prefill included (plain decoding: one per token).
+        draft_steps: verification steps in which the drafter proposed at least one token.
+        proposed: draft tokens proposed in total.
+        accepted: draft tokens accepted in total.
+        accepted_per_position: ``[k]`` accepted tokens at draft position i (depth i for trees).
+        stop_reason: "eos" or "length".
+        wall_time: seconds for the whole sequence (prefill included).
+        draft_time: seconds spent inside the drafter.
+        prefill_time: seconds of the prompt forward (and the drafter's start).
+    """
+
+    tokens: list[int]
+    target_forwards: int = 0
+    draft_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    stop_reason: str = "length"
+    wall_time: float = 0.0
+    draft_time: float = 0.0
+    prefill_time: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """τ: tokens emitted per target forward (bonus token included; plain decoding = 1)."""
+        return len(self.tokens) / max(self.target_forwards, 1)
+
+
+def runs_own_loop(drafter: object) -> bool:
+    """Whether ``drafter`` decodes in its own loop (it has ``generate``) instead of proposing.
+
+    Such a drafter's ``generate(target, prompt_ids, **loop_kwargs)`` takes the verification
+    loop's keyword arguments (``k``, ``max_new_tokens``, ``sampling``, ``eos_token_id``,
+    ``generator``, ``draft_length``) and returns a :class:`GenerationOutput`.
+    """
+    return callable(getattr(drafter, "generate", None))
+
+
+def _leave_as_is(*modules: object) -> None:
+    """The default :attr:`BuildOptions.fast_linears`: no kernel-path patch."""
+
+
+@dataclass
+class BuildOptions:
+    """What a builder may need beyond its spec's path: the target, the run's drafter settings,
+    and the callables the caller injects (``heads/`` imports nothing from ``train/``).
+
+    Field names are the evaluation config's (``EvalConfig``).
+
+    Attributes:
+        target: the HF causal LM the drafter proposes for.
+        dtype: the drafter's dtype (weights and activations); None = the target's.
+        ngram_max: n-gram lookup: longest suffix to match.
+        ngram_min: n-gram lookup: shortest suffix to match.
+        draft_model: draft-LM kinds: the model to load when the spec gives no path.
+        draft_layers: draft-LM kinds: the target layers an untrained layer-pruned copy keeps.
+        tree_topk: EAGLE trees: children expanded per node.
+        tree_total_tokens: tree kinds: draft tokens verified per step.
+        hf_assistant: transformers' assisted generation: ``"constant"`` or ``"transformers"``
+            draft-length schedule.
+        load_model: ``load_model(path, dtype) -> model``: loads a causal LM from a local HF
+            directory or ``.gguf`` file; kinds that load a draft LM need it.
+        fast_linears: ``fast_linears(*modules)`` patches a built drafter's linear layers for
+            faster CPU kernels (evaluate injects ``flatten_linear_inputs``); default: nothing.
+    """
+
+    target: Any
+    dtype: torch.dtype | None = None
+    ngram_max: int = 4
+    ngram_min: int = 2
+    draft_model: str | None = None
+    draft_layers: list[int] | None = None
+    tree_topk: int = 4
+    tree_total_tokens: int = 24
+    hf_assistant: str = "constant"
+    load_model: Callable[[str, torch.dtype], Any] | None = None
+    fast_linears: Callable[..., object] = _leave_as_is
+
+    @property
+    def draft_dtype(self) -> torch.dtype:
+        """The drafter's dtype: :attr:`dtype`, else the target's."""
+        return self.dtype if self.dtype is not None else self.target.dtype
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """How one ``--drafter`` kind (a spec ``KIND`` or ``KIND=PATH``) is built.
+
+    Attributes:
+        build: ``build(path, options)`` -> the drafter (a :class:`Drafter`, or an own-loop
+            drafter, see :func:`runs_own_loop`; None = plain decoding), with a ``name`` for
+            reports. ``path`` is the spec's path, None when it has none.
+        path: ``"required"`` (only ``KIND=PATH``), ``"optional"`` (both) or ``"none"`` (only
+            ``KIND``).
+        help: a few words for ``--help`` after the kind's name.
+        uses: :class:`BuildOptions` fields that only this kind (and others listing them)
+            reads; a run that sets one without such a kind is refused.
+    """
+
+    build: Callable[[str | None, BuildOptions], Any]
+    path: Literal["required", "optional", "none"] = "none"
+    help: str = ""
+    uses: tuple[str, ...] = ()
+
+
+def unwrap_model(model: torch.nn.Module) -> Any:
+    """The module inside DDP/FSDP1/accelerate wrappers (``.module``), or the model itself.
+
+    FSDP2 (``fully_shard``) keeps the model's class, so for it this is a no-op.
+    """
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model

@@ -3,6 +3,9 @@
 Any HF causal LM that shares the target's vocabulary works. The draft keeps its own KV cache
 across steps and rolls it back to the accepted prefix, so each step feeds it only the tokens it has
 not seen (usually one or two) instead of re-reading the context.
+
+``--drafter draft-lm[=DIR]`` (:data:`DRAFT_LM`) loads the draft from DIR (or ``draft_model``), or
+without one makes an untrained layer-pruned copy of the target (``draft_layers``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.heads.base import Features, Proposal
+from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
 from draftsmith.heads.sampling import SamplingParams, choose
 
 
@@ -87,13 +90,20 @@ class DraftLM(nn.Module):
     Args:
         model: the draft causal LM (put in eval mode here).
         target_vocab_size: the target's vocabulary size; checked against the draft's.
+        name: how reports call it.
     """
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, model: PreTrainedModel, target_vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        target_vocab_size: int | None = None,
+        name: str = "draft-lm",
+    ) -> None:
         super().__init__()
         self.model = model.eval()
+        self.name = name
         draft_vocab = model.get_output_embeddings().weight.shape[0]
         if target_vocab_size is not None:
             check_vocab_compatible(draft_vocab, target_vocab_size)
@@ -222,3 +232,42 @@ def layer_pruned_copy(model: PreTrainedModel, layers: list[int]) -> PreTrainedMo
     draft.generation_config = copy.deepcopy(model.generation_config)
     draft.requires_grad_(True)
     return draft.to(next(model.parameters()).dtype).eval()
+
+
+def load_draft_model(path: str | None, options: BuildOptions) -> tuple[PreTrainedModel, str]:
+    """The draft LM a ``draft-lm`` or ``hf-assisted`` spec asks for, in the drafter's dtype.
+
+    Args:
+        path: the spec's model dir (or ``.gguf``); None = ``options.draft_model``, and without
+            that an untrained layer-pruned copy of the target (``options.draft_layers``).
+        options: the run's options (``load_model`` loads a path).
+
+    Returns:
+        ``(model, source)``: source says where it came from, for the method's name.
+    """
+    source = path or options.draft_model
+    if source:
+        if options.load_model is None:
+            raise ValueError(f"draft model {source}: no model loader given (BuildOptions)")
+        return options.load_model(source, options.draft_dtype), source
+    n = options.target.config.num_hidden_layers
+    # Default: first, two evenly spaced middle layers and the last one.
+    layers = options.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
+    model = layer_pruned_copy(options.target, layers).to(options.draft_dtype)
+    return model, f"pruned {options.draft_layers or 'default'}"
+
+
+def build_draft_lm(path: str | None, options: BuildOptions) -> DraftLM:
+    """``draft-lm[=DIR]``: a draft LM run by our loop (see :func:`load_draft_model`)."""
+    model, source = load_draft_model(path, options)
+    vocab = options.target.get_output_embeddings().weight.shape[0]
+    return DraftLM(model, target_vocab_size=vocab, name=f"draft-lm[{source}]")
+
+
+DRAFT_LM = DrafterKind(
+    build_draft_lm,
+    path="optional",
+    help="a draft LM with the target's vocabulary; without DIR: draft_model, else an untrained "
+    "layer-pruned copy of the target, draft_layers",
+    uses=("draft_model", "draft_layers"),
+)

@@ -41,13 +41,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.heads.base import Features, Proposal
+from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
 from draftsmith.heads.sampling import SamplingParams, choose
 
 __all__ = [
     "ACCURACY_FILE",
     "CONFIG_FILE",
     "FORMAT",
+    "MEDUSA",
+    "MEDUSA_TREE",
     "WEIGHTS_FILE",
     "MedusaHeads",
     "MedusaProposer",
@@ -402,6 +404,7 @@ class MedusaProposer:
         num_target_layers: the target's ``num_hidden_layers``; the feature layer is the final
             normed output, index ``num_target_layers`` in HF's ``hidden_states``.
         medusa_choices: tree nodes (see :func:`check_choices`); None drafts a chain.
+        name: how reports call it; default ``medusa-chain`` or ``medusa-tree``.
 
     Tree drafting is greedy only: with sampling the proposer drafts a chain (the loop verifies
     trees greedily). ``k`` caps the chain length and the tree depth; nodes deeper than k are
@@ -413,6 +416,7 @@ class MedusaProposer:
         heads: MedusaHeads,
         num_target_layers: int,
         medusa_choices: Sequence[Sequence[int]] | None = None,
+        name: str | None = None,
     ) -> None:
         self.heads = heads.eval()
         self.feature_layers: tuple[int, ...] = (int(num_target_layers),)
@@ -421,6 +425,7 @@ class MedusaProposer:
         )
         self._trees: dict[int, tuple[Choices, list[int], list[int]]] = {}
         self._hidden: torch.Tensor | None = None  # [H] at the last kept position
+        self.name = name or f"medusa-{self.mode}"
 
     @property
     def mode(self) -> str:
@@ -512,10 +517,14 @@ def medusa_proposer(
         total_tokens: node budget of the automatic tree; default: the size the run recorded.
         medusa_choices: an explicit tree (the reference's format) for ``tree=True``.
 
+    Returns:
+        The proposer, named ``medusa-chain[PATH]`` or ``medusa-tree[PATH]``.
+
     Raises:
         ValueError: If the heads do not fit the target (hidden or vocabulary size), or Medusa-2
             heads are given another target than their fine-tuned one.
     """
+    name = f"medusa-{'tree' if tree else 'chain'}[{path}]"
     path = Path(path)
     heads = load_medusa(path)
     weight = target.get_output_embeddings().weight
@@ -534,7 +543,24 @@ def medusa_proposer(
             acc = load_accuracy(path)
             budget = total_tokens if total_tokens is not None else acc["tree"]["nodes"]
             choices = build_tree(acc["rank_accuracy"], budget)
-    return MedusaProposer(heads, int(target.config.num_hidden_layers), choices)
+    return MedusaProposer(heads, int(target.config.num_hidden_layers), choices, name=name)
+
+
+def build_medusa(path: str | None, options: BuildOptions, tree: bool = False) -> MedusaProposer:
+    """``medusa=DIR`` / ``medusa-tree=DIR``: the heads of a training run, chain or tree."""
+    proposer = medusa_proposer(
+        path, options.target, tree=tree, total_tokens=options.tree_total_tokens
+    )
+    options.fast_linears(proposer)
+    return proposer
+
+
+MEDUSA = DrafterKind(build_medusa, path="required", help="Medusa heads, chain")
+MEDUSA_TREE = DrafterKind(
+    lambda path, options: build_medusa(path, options, tree=True),
+    path="required",
+    help="Medusa heads, tree of tree_total_tokens nodes",
+)
 
 
 def _check_medusa2_target(path: Path, target: nn.Module) -> None:

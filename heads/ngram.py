@@ -4,13 +4,15 @@ Chat answers often repeat spans of the prompt or of themselves (code being fixed
 text). The drafter finds the most recent earlier occurrence of the sequence's last n tokens and
 proposes the tokens that followed it. Its distribution q is one-hot on its guess, so in sampling
 mode the loop accepts a guess x with probability p(x).
+
+``--drafter ngram`` (:data:`NGRAM`) matches suffixes of ``ngram_min``..``ngram_max`` tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.base import Features, Proposal
+from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
 from draftsmith.heads.sampling import SamplingParams
 
 
@@ -30,10 +32,16 @@ class NGramDrafter:
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(
-                f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}"
+                f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
+                f"max_ngram={max_ngram}"
             )
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+
+    @property
+    def name(self) -> str:
+        """How reports call it: ``ngram[MIN-MAX]``."""
+        return f"ngram[{self.min_ngram}-{self.max_ngram}]"
 
     def start(self, prompt_ids: torch.Tensor, features: Features | None) -> None:
         """Nothing to prepare: the lookup reads ``ids`` at every step."""
@@ -70,3 +78,11 @@ class NGramDrafter:
 
     def accept(self, num_accepted: int, features: Features | None) -> None:
         """Stateless: nothing to update."""
+
+
+def build_ngram(path: str | None, options: BuildOptions) -> NGramDrafter:
+    """``ngram``: prompt lookup over suffixes of ``ngram_min``..``ngram_max`` tokens."""
+    return NGramDrafter(max_ngram=options.ngram_max, min_ngram=options.ngram_min)
+
+
+NGRAM = DrafterKind(build_ngram, help="prompt lookup")

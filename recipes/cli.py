@@ -72,7 +72,7 @@ def _train(argv: list[str]) -> int:
 
 DATA_COMMANDS = {
     "prompts": (
-        "draftsmith.train.data.magpie",
+        "draftsmith.train.datagen.prompts_command",
         "main_prompts",
         "make training prompts: the target writes them (Magpie) + shipped + your files, deduped",
     ),
@@ -82,12 +82,12 @@ DATA_COMMANDS = {
         "chat-template tokenization with assistant-only loss masks -> a saved dataset",
     ),
     "distill": (
-        "draftsmith.train.data.self_distill",
+        "draftsmith.train.datagen.distill_command",
         "main_distill",
         "regenerate the assistant turns of a dataset with the target (self-distillation)",
     ),
     "cache": (
-        "draftsmith.train.data.hidden_states",
+        "draftsmith.train.features.cache_command",
         "main_cache",
         "store the target's hidden states of chosen layers for offline training",
     ),
@@ -103,10 +103,10 @@ DATA_COMMANDS = {
 # :func:`parse_command` checks a written command line against without running it.
 COMMAND_CONFIGS: dict[str, dict[str, tuple[str, str]]] = {
     "data": {
-        "prompts": ("draftsmith.train.data.magpie", "PromptsConfig"),
+        "prompts": ("draftsmith.train.datagen.prompts_command", "PromptsConfig"),
         "tokenize": ("draftsmith.train.data.tokenize", "TokenizeConfig"),
-        "distill": ("draftsmith.train.data.self_distill", "DistillConfig"),
-        "cache": ("draftsmith.train.data.hidden_states", "CacheConfig"),
+        "distill": ("draftsmith.train.datagen.distill_command", "SelfDistillConfig"),
+        "cache": ("draftsmith.train.features.cache_command", "CacheConfig"),
         "vocab": ("draftsmith.train.data.vocab", "VocabConfig"),
     },
     "train": {
@@ -129,7 +129,7 @@ def parse_command(argv: list[str]) -> Any:
             ``["data", "distill", "--input", "p.jsonl", "--output", "a.jsonl"]``.
 
     Returns:
-        The command's config (a dataclass instance, e.g. ``self_distill.DistillConfig``).
+        The command's config (a dataclass instance, e.g. ``distill_command.SelfDistillConfig``).
 
     Raises:
         UsageError: ``argv`` does not name a data or train command.

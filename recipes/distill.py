@@ -55,7 +55,7 @@ from draftsmith.train.core.data import (
 )
 from draftsmith.train.core.dist import exit_process
 from draftsmith.train.core.run import TrainRun
-from draftsmith.train.data.hidden_states import TokenDataset, collate_hidden_states
+from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
 from draftsmith.train.errors import UsageError, cli_main
 from draftsmith.train.objectives.distill import (
     LOSSES,

@@ -89,10 +89,11 @@ class EagleTrainConfig(TrainConfig):
         "wide forwards on AVX512-BF16/AMX CPUs and GPUs; the drafter keeps fp32 master weights)",
         choices=["fp32", "bf16"],
     )
-    aux_layers: list[int] | None = cfg_field(
+    feature_layers: list[int] | None = cfg_field(
         None,
-        help="EAGLE-3 fused layers as HF hidden_states indices (i = input to layer i); default "
-        "[2, N//2, N-3], the EAGLE/vLLM convention",
+        help="target layers the drafter reads, as HF hidden_states indices (i = input to layer "
+        "i): EAGLE-3's 3 fused layers, default [2, N//2, N-3] (the EAGLE/vLLM convention); "
+        "EAGLE-1 reads the final output N (leave unset)",
         ge=0,
     )
     draft_vocab_size: int = cfg_field(
@@ -117,10 +118,12 @@ class EagleTrainConfig(TrainConfig):
             problems.append(("data", "online hidden states need training records (data)"))
         if self.hidden_states == "offline" and self.hidden_states_cache is None:
             problems.append(("hidden_states_cache", "offline hidden states need a cache dir"))
-        if self.version == 1 and self.aux_layers is not None:
-            problems.append(("aux_layers", "EAGLE-1 uses the last layer only; set version: 3"))
-        if self.aux_layers is not None and len(self.aux_layers) != 3:
-            problems.append(("aux_layers", f"EAGLE-3 fuses 3 layers, got {self.aux_layers}"))
+        if self.version == 1 and self.feature_layers is not None:
+            problems.append(("feature_layers", "EAGLE-1 uses the last layer only; set version: 3"))
+        if self.feature_layers is not None and len(self.feature_layers) != 3:
+            problems.append(
+                ("feature_layers", f"EAGLE-3 fuses 3 layers, got {self.feature_layers}")
+            )
         if self.init_from is not None and not (Path(self.init_from) / "config.json").is_file():
             problems.append(
                 (
@@ -145,10 +148,10 @@ def train(cfg: EagleTrainConfig) -> int:
     from transformers import get_cosine_schedule_with_warmup
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
-    from draftsmith.train.data.hidden_states import feature_source, target_fingerprint
-    from draftsmith.train.data.tokenize import template_fingerprint
+    from draftsmith.train.data.chat import template_fingerprint
     from draftsmith.train.data.vocab import coverage, draft_vocab, token_counts
     from draftsmith.train.decoding.metrics import simulated_tau
+    from draftsmith.train.features.source import feature_source, target_fingerprint
     from draftsmith.train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.target.load import load_target
@@ -162,9 +165,9 @@ def train(cfg: EagleTrainConfig) -> int:
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
         target.requires_grad_(False).eval().to(accelerator.device)
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
-        if cfg.aux_layers is not None and max(cfg.aux_layers) > num_layers:
+        if cfg.feature_layers is not None and max(cfg.feature_layers) > num_layers:
             raise UsageError(
-                f"aux_layers: {cfg.aux_layers} is outside the target's hidden "
+                f"feature_layers: {cfg.feature_layers} is outside the target's hidden "
                 f"states 0..{num_layers} (it has {num_layers} layers)"
             )
         if cfg.version == 3 and cfg.draft_vocab_size > vocab:
@@ -175,10 +178,12 @@ def train(cfg: EagleTrainConfig) -> int:
         eagle_cfg = EagleConfig.from_target(
             target.config,
             cfg.version,
-            aux_layers=cfg.aux_layers,
+            feature_layers=cfg.feature_layers,
             draft_vocab_size=cfg.draft_vocab_size if cfg.version == 3 else None,
         )
-        layers = list(eagle_cfg.train_layers)
+        # What the target provides to training: the drafter's feature layers plus the last
+        # one, whose target head gives the labels.
+        train_layers = list(eagle_cfg.train_layers)
 
         # --- data and features ----------------------------------------------------------------
         summary = None
@@ -189,7 +194,7 @@ def train(cfg: EagleTrainConfig) -> int:
             say(f"data: {summary or f'{len(data)} tokenized samples'}")
             src = feature_source(
                 "online",
-                layers=layers,
+                layers=train_layers,
                 data=data,
                 target=target,
                 max_length=cfg.max_length,
@@ -208,7 +213,7 @@ def train(cfg: EagleTrainConfig) -> int:
             }
             src = feature_source(
                 "offline",
-                layers=layers,
+                layers=train_layers,
                 cache=cfg.hidden_states_cache,
                 max_length=cfg.max_length,
                 dtype=torch.float32,
@@ -263,7 +268,8 @@ def train(cfg: EagleTrainConfig) -> int:
         params = [p for p in drafter.parameters() if p.requires_grad]
         say(
             f"drafter: EAGLE-{cfg.version}, {sum(p.numel() for p in params) / 1e6:.1f}M "
-            f"trainable parameters; features from target layers {layers} ({cfg.hidden_states})"
+            f"trainable parameters; features from target layers {train_layers} "
+            f"({cfg.hidden_states})"
         )
 
         # --- optimizer, schedule, prepare, resume ---------------------------------------------
@@ -385,10 +391,10 @@ def train(cfg: EagleTrainConfig) -> int:
             "version": cfg.version,
             "train_samples": len(train_set),
             "val_samples": len(val_idx),
-            # What the drafter reads (aux layers, or the last for EAGLE-1) and what the target
-            # had to provide for training (those plus the last layer, for the labels' head).
+            # What the drafter reads (EAGLE-3's fused layers, or the last for EAGLE-1) and what
+            # the target had to provide for training (those plus the last layer, for the labels).
             "feature_layers": list(eagle_cfg.feature_layers),
-            "train_layers": layers,
+            "train_layers": train_layers,
             "final_validation": run.state.validation[-1] if run.state.validation else None,
             **vocab_note,
             "data": str(cfg.data or cfg.hidden_states_cache),

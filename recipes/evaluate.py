@@ -1,4 +1,4 @@
-"""Evaluate a drafter: plain decoding vs. speculative decoding on the same target and prompts.
+r"""Evaluate a drafter: plain decoding vs. speculative decoding on the same target and prompts.
 
 Launch::
 
@@ -10,7 +10,8 @@ Launch::
         eagle-tree=runs/eagle3_smollm2/drafter --out results/eagle.json
 
 Several drafters in one run share one plain-decoding baseline, measured prompt by prompt between
-them.
+them. The ``--drafter`` kinds are those of ``heads/registry.py`` (built through it, named by the
+drafters themselves): adding a drafter changes nothing here.
 
 For each prompt the target first decodes alone (the baseline), then with the drafter, in the same
 process, so the speedup compares like with like. Greedy runs check that the speculative output is
@@ -28,16 +29,23 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.heads.draft_lm import DraftLM, check_vocab_compatible, layer_pruned_copy
-from draftsmith.heads.ngram import NGramDrafter
+from draftsmith.heads import registry
+from draftsmith.heads.base import BuildOptions, runs_own_loop
 from draftsmith.heads.sampling import SamplingParams, sampling_problems
-from draftsmith.train.config import ConfigError, cfg_field, config_to_dict, parse_config
+from draftsmith.train.config import ConfigError, as_list, cfg_field, config_to_dict, parse_config
 from draftsmith.train.data.prompts import PromptFileError, load_prompts, render_prompt
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
-from draftsmith.train.decoding.hf_assisted import HFAssisted
 from draftsmith.train.decoding.metrics import results_table, summarize
-from draftsmith.train.decoding.speculative import GenerationOutput, generate
-from draftsmith.train.runinfo import run_info, wandb_mode, write_json_atomic
+from draftsmith.train.decoding.results import (
+    counters,
+    divergence,
+    fastest_plain,
+    identity,
+    merge_results,
+    prompt_entry,
+)
+from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.runinfo import machine_load, run_info, wandb_mode, write_json_atomic
 from draftsmith.train.target.kernels import flatten_linear_inputs
 from draftsmith.train.target.load import TargetError, load_target
 
@@ -90,12 +98,8 @@ class EvalConfig:
     )
     drafter: list[str] = cfg_field(
         ["ngram"],
-        help="drafter(s) to compare against the same baseline, each KIND or KIND=PATH: ngram "
-        "(prompt lookup), draft-lm[=model dir], eagle=DIR, eagle-tree=DIR (EAGLE-2 dynamic tree), "
-        "medusa=DIR, medusa-tree=DIR, hf-assisted[=model dir] (the same draft LM through "
-        "transformers' generate(assistant_model=...), for comparison), hf-prompt-lookup "
-        "(transformers' prompt lookup, suffixes of up to ngram_max tokens), or none (plain "
-        "decoding only)",
+        help="drafter(s) to compare against the same baseline, each KIND or KIND=PATH: "
+        + registry.kinds_help(),
     )
     k: int = cfg_field(5, help="draft tokens per verification step")
     max_new_tokens: int = cfg_field(128, help="tokens to generate per prompt")
@@ -155,26 +159,16 @@ class EvalConfig:
             problems.append(("ngram_min", "need 1 <= ngram_min <= ngram_max"))
         if self.draft_model and self.draft_layers:
             problems.append(("draft_layers", "give draft_model or draft_layers, not both"))
-        specs = []
-        for spec in self.drafter:
-            kind, _, path = spec.partition("=")
-            if kind not in DRAFTER_KINDS:
-                problems.append(("drafter", f"{spec!r}: kind must be one of {DRAFTER_KINDS}"))
-            elif kind in NEEDS_PATH and not path:
-                problems.append(("drafter", f"{spec!r}: {kind} needs a directory: {kind}=DIR"))
-            elif path and kind not in (*NEEDS_PATH, "draft-lm", "hf-assisted"):
-                problems.append(("drafter", f"{spec!r}: {kind} takes no path"))
-            specs.append(kind)
+        problems += [("drafter", p) for p in map(registry.spec_problem, self.drafter) if p]
+        specs = [registry.parse_spec(spec)[0] for spec in self.drafter]
         if not self.drafter:
             problems.append(("drafter", "name at least one drafter (or none)"))
         if "none" in specs and len(specs) > 1:
             problems.append(
                 ("drafter", "none runs plain decoding only; do not list other drafters")
             )
-        if not {"draft-lm", "hf-assisted"} & set(specs) and (self.draft_model or self.draft_layers):
-            problems.append(
-                ("drafter", "draft_model/draft_layers need drafter: draft-lm or hf-assisted")
-            )
+        # e.g. draft_layers without a draft-LM drafter: each kind declares what it reads.
+        problems += [("drafter", p) for p in registry.unused_settings(specs, vars(self))]
         if specs == ["none"] and not self.baseline:
             problems.append(("baseline", "drafter none with baseline off measures nothing"))
         if self.tree_topk < 1:
@@ -184,91 +178,29 @@ class EvalConfig:
         return problems
 
 
-DRAFTER_KINDS = (
-    "ngram",
-    "draft-lm",
-    "eagle",
-    "eagle-tree",
-    "medusa",
-    "medusa-tree",
-    "hf-assisted",
-    "hf-prompt-lookup",
-    "none",
-)
-NEEDS_PATH = ("eagle", "eagle-tree", "medusa", "medusa-tree")
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_drafter(cfg: EvalConfig, spec: str, target):
-    """The drafter one ``--drafter`` entry asks for (None for plain decoding), in the target's
-    dtype."""
-    kind, _, path = spec.partition("=")
-    if kind == "ngram":
-        return NGramDrafter(max_ngram=cfg.ngram_max, min_ngram=cfg.ngram_min)
-    if kind == "hf-prompt-lookup":
-        return HFAssisted(None, lookup_ngram=cfg.ngram_max)
-    if kind in ("draft-lm", "hf-assisted"):
-        if path or cfg.draft_model:
-            model, _ = load_target(
-                path or cfg.draft_model, cache_dir=cfg.cache_dir, dtype=_draft_dtype(cfg, target)
-            )
-        else:
-            n = target.config.num_hidden_layers
-            # Default: first, two evenly spaced middle layers and the last one.
-            layers = cfg.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
-            model = layer_pruned_copy(target, layers).to(_draft_dtype(cfg, target))
-        if kind == "hf-assisted":
-            # Same check DraftLM makes: HF would fail deep inside generate() otherwise.
-            check_vocab_compatible(
-                model.get_output_embeddings().weight.shape[0],
-                target.get_output_embeddings().weight.shape[0],
-            )
-            return HFAssisted(model, schedule=cfg.hf_assistant)
-        return DraftLM(model, target_vocab_size=target.get_output_embeddings().weight.shape[0])
-    if kind in ("eagle", "eagle-tree"):
-        from draftsmith.heads.eagle import EagleProposer, load_drafter
+def build_options(cfg: EvalConfig, target) -> BuildOptions:
+    """What the drafter builders (``heads/registry.py``) need: the run's settings, the drafter's
+    dtype, our model loader and the CPU kernel-path patch."""
 
-        drafter = load_drafter(path, target, dtype=_draft_dtype(cfg, target))
-        flatten_linear_inputs(drafter)
-        if kind == "eagle":
-            return EagleProposer(drafter)
-        return EagleProposer(
-            drafter, tree=True, topk=cfg.tree_topk, total_tokens=cfg.tree_total_tokens
-        )
-    if kind in ("medusa", "medusa-tree"):
-        from draftsmith.heads.medusa import medusa_proposer
+    def load_model(path: str, dtype: torch.dtype):
+        return load_target(path, cache_dir=cfg.cache_dir, dtype=dtype)[0]
 
-        proposer = medusa_proposer(
-            path, target, tree=kind == "medusa-tree", total_tokens=cfg.tree_total_tokens
-        )
-        flatten_linear_inputs(proposer)
-        return proposer
-    return None
-
-
-def _draft_dtype(cfg: EvalConfig, target) -> torch.dtype:
-    return target.dtype if cfg.draft_dtype == "same" else DTYPES[cfg.draft_dtype]
-
-
-def method_name(cfg: EvalConfig, spec: str, drafter) -> str:
-    kind, _, path = spec.partition("=")
-    if kind == "ngram":
-        return f"ngram[{cfg.ngram_min}-{cfg.ngram_max}]"
-    if kind == "hf-prompt-lookup":
-        return f"hf-prompt-lookup[1-{cfg.ngram_max}]"  # HF matches suffixes down to 1 token
-    if kind in ("draft-lm", "hf-assisted"):
-        what = path or cfg.draft_model or f"pruned {cfg.draft_layers or 'default'}"
-        if kind == "hf-assisted" and cfg.hf_assistant == "transformers":
-            return f"hf-assisted-default[{what}]"
-        return f"{kind}[{what}]"
-    if kind in ("eagle", "eagle-tree"):
-        version = drafter.drafter.config.version if hasattr(drafter, "drafter") else "?"
-        return f"eagle{version}-{'tree' if kind.endswith('tree') else 'chain'}[{path}]"
-    if kind in ("medusa", "medusa-tree"):
-        return f"medusa-{'tree' if kind.endswith('tree') else 'chain'}[{path}]"
-    return "plain"
+    return BuildOptions(
+        target=target,
+        dtype=target.dtype if cfg.draft_dtype == "same" else DTYPES[cfg.draft_dtype],
+        ngram_max=cfg.ngram_max,
+        ngram_min=cfg.ngram_min,
+        draft_model=cfg.draft_model,
+        draft_layers=cfg.draft_layers,
+        tree_topk=cfg.tree_topk,
+        tree_total_tokens=cfg.tree_total_tokens,
+        hf_assistant=cfg.hf_assistant,
+        load_model=load_model,
+        fast_linears=flatten_linear_inputs,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,13 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         reference = None
         if cfg.reference_plain and cfg.baseline:
             reference, _ = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=DTYPES[other])
-        drafters = [build_drafter(cfg, spec, target) for spec in cfg.drafter]
+        options = build_options(cfg, target)
+        drafters = [registry.build(spec, options) for spec in cfg.drafter]
         prompts = [render_prompt(tokenizer, r) for r in records]
     except (PromptFileError, TargetError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    names = [method_name(cfg, spec, d) for spec, d in zip(cfg.drafter, drafters, strict=True)]
-    eos = {tokenizer.eos_token_id, *_as_list(target.generation_config.eos_token_id)} - {None}
+    names = ["plain" if d is None else d.name for d in drafters]
+    eos = {tokenizer.eos_token_id, *as_list(target.generation_config.eos_token_id)} - {None}
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
     # One policy per drafter for the whole run: what it learns carries across prompts.
     costs = None
@@ -323,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         costs = load_cost_profile(cfg.cost_profile, cfg.dtype, torch.get_num_threads())
     policies = [
         AdaptiveDraftLength(cfg.k, cost_profile=costs)
-        if cfg.adaptive_k and d is not None and not isinstance(d, HFAssisted)  # HF: own schedule
+        if cfg.adaptive_k and d is not None and not runs_own_loop(d)  # e.g. HF: own schedule
         else None
         for d in drafters
     ]
@@ -331,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     # --- loop: baseline then each drafter, prompt by prompt -----------------------------------
     # One short untimed run first: the first forwards of a process pay one-off allocation costs.
     def run(drafter, ids, **kwargs):
-        # HF assisted generation runs transformers' own loop; everything else runs ours.
-        if isinstance(drafter, HFAssisted):
+        # A reference drafter with its own loop (transformers' generate) runs that; others ours.
+        if runs_own_loop(drafter):
             return drafter.generate(target, ids, **{**common, **kwargs})
         return generate(target, ids, drafter, **{**common, **kwargs})
 
@@ -340,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         run(drafter, prompts[0], max_new_tokens=8)
     if reference is not None:
         generate(reference, prompts[0], None, **{**common, "max_new_tokens": 8})
-    load_before = _machine_load()
+    load_before = machine_load()
     stopped_early = False
     base_runs: list = []
     ref_runs: list = []
@@ -377,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                     gen = torch.Generator().manual_seed(cfg.seed)
                     spec = run(drafter, ids, generator=gen, draft_length=policy)
                 spec_runs[i].append(spec)
-                entry = _prompt_entry(record, ids, spec, base, tokenizer)
+                entry = prompt_entry(record, ids, spec, base, tokenizer)
                 if ref_runs:
                     ref = ref_runs[-1]
-                    entry["reference_counters"] = {**_counters(ref), "new_tokens": len(ref.tokens)}
+                    entry["reference_counters"] = {**counters(ref), "new_tokens": len(ref.tokens)}
                 if entry.get("identical_to_target") is False and sampling.greedy:
                     entry["divergence"] = divergence(target, ids, base.tokens, spec.tokens)
                 per_prompt[i].append(entry)
@@ -411,15 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         result.update(summarize(spec_runs[i], cfg.k, base_runs if cfg.baseline else None))
         if ref_runs:
             result.update(fastest_plain(result, ref_runs, cfg.dtype, other))
-        if cfg.baseline and sampling.greedy:
-            flags = [p["identical_to_target"] for p in per_prompt[i]]
-            result["identical_to_target"] = all(flags)
-            result["identical_rate"] = sum(flags) / max(len(flags), 1)
-            result["near_ties"] = [
-                {"id": p["id"], **p["divergence"]} for p in per_prompt[i] if "divergence" in p
-            ]
-        else:
-            result["identical_to_target"] = None  # sampled outputs: compared in distribution
+        # Sampled outputs are compared in distribution, not per sample.
+        result.update(identity(per_prompt[i], compared=cfg.baseline and sampling.greedy))
         result["per_prompt"] = per_prompt[i]
         results.append(result)
     # One drafter: its result is the file (the historic layout). Several: one entry each under
@@ -428,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     out["config"] = config_to_dict(cfg)
     out["prompts_evaluated"] = len(base_runs) if cfg.baseline else len(spec_runs[0])
     out["prompts_selected"] = len(records)
-    out["machine_load"] = {"before": load_before, "after": _machine_load()}
+    out["machine_load"] = {"before": load_before, "after": machine_load()}
     if stopped_early:
         print(
             f"max_minutes={cfg.max_minutes} reached: {out['prompts_evaluated']} of "
@@ -467,109 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-#: Largest gap between the two competing tokens' logits that counts as a numerical near-tie
-#: in bf16: logits of magnitude 16-32 are spaced 0.125 apart in bf16, and a forward of another
-#: width (a verify of k+1 tokens vs one) may round each of them differently.
-NEAR_TIE_LOGIT_GAP = 0.5
-
-
-@torch.inference_mode()
-def divergence(target, prompt_ids, plain: list[int], spec: list[int]) -> dict:
-    """Where and why a speculative output left the plain one: the target's logit gap there.
-
-    The target re-reads prompt + the common prefix in one forward and compares its logits for
-    the plain and the speculative token at the first differing position. A gap within
-    :data:`NEAR_TIE_LOGIT_GAP` is a rounding-level tie that the verify forward's width can
-    flip in bf16, not a loop bug (a bug shows as a token the target does not rank near the top).
-    """
-    d = next(i for i, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b)
-    ids = torch.as_tensor([*torch.as_tensor(prompt_ids).flatten().tolist(), *plain[:d]])[None]
-    logits = target(input_ids=ids.to(target.device), logits_to_keep=1).logits[0, -1].float()
-    top2 = torch.topk(logits, 2).values
-    gap = float(logits[plain[d]] - logits[spec[d]])
-    return {
-        "position": d,
-        "plain_token": plain[d],
-        "spec_token": spec[d],
-        "logit_gap": gap,
-        "top2_gap": float(top2[0] - top2[1]),
-        "near_tie": abs(gap) <= NEAR_TIE_LOGIT_GAP,
-    }
-
-
-def fastest_plain(result: dict, ref_runs: list, dtype: str, other: str) -> dict:
-    """The speedup over the fastest plain decoding measured in this run, whichever dtype."""
-    tokens = sum(len(r.tokens) for r in ref_runs)
-    wall = sum(r.wall_time for r in ref_runs)
-    ref_tps = tokens / wall if wall else 0.0
-    base_tps = result.get("baseline_tokens_per_second", 0.0)
-    fastest, fastest_tps = (dtype, base_tps) if base_tps >= ref_tps else (other, ref_tps)
-    return {
-        "reference_plain": {"dtype": other, "tokens_per_second": ref_tps},
-        "fastest_plain_dtype": fastest,
-        "fastest_plain_tokens_per_second": fastest_tps,
-        "speedup_vs_fastest_plain": result["tokens_per_second"] / fastest_tps
-        if fastest_tps
-        else 0.0,
-    }
-
-
-def _machine_load() -> dict:
-    """Load average and the other busy processes: a loaded 2-core machine skews every timing."""
-    import os
-
-    try:
-        load = os.getloadavg()
-    except OSError:
-        return {}
-    return {"loadavg_1m": load[0], "loadavg_5m": load[1], "cpu_count": os.cpu_count()}
-
-
-def _prompt_entry(record, ids, spec, base, tokenizer) -> dict:
-    entry = {
-        "id": record.id,
-        "prompt_tokens": len(ids),
-        "new_tokens": len(spec.tokens),
-        "acceptance_length": spec.acceptance_length,
-        "tokens_per_second": len(spec.tokens) / spec.wall_time,
-        "stop_reason": spec.stop_reason,
-        "output_ids": spec.tokens,
-        "output_text": tokenizer.decode(spec.tokens, skip_special_tokens=True),
-        # Raw counters: enough to recompute every summary metric (see merge_results).
-        "counters": _counters(spec),
-    }
-    if base is not None:
-        entry["baseline_tokens_per_second"] = len(base.tokens) / base.wall_time
-        entry["baseline_counters"] = {**_counters(base), "new_tokens": len(base.tokens)}
-        entry["identical_to_target"] = base.tokens == spec.tokens
-        if base.tokens != spec.tokens:
-            entry["baseline_output_ids"] = base.tokens
-    return entry
-
-
-_COUNTERS = (
-    "target_forwards",
-    "draft_steps",
-    "proposed",
-    "accepted",
-    "accepted_per_position",
-    "wall_time",
-    "draft_time",
-    "prefill_time",
-)
-
-
-def _counters(run: GenerationOutput) -> dict:
-    return {name: getattr(run, name) for name in _COUNTERS}
-
-
-def _from_counters(counters: dict) -> GenerationOutput:
-    """A plain run rebuilt from its stored counters (token ids are not stored: only counts)."""
-    return GenerationOutput(
-        tokens=[0] * counters["new_tokens"], **{c: counters[c] for c in _COUNTERS}
-    )
-
-
 def _parse_shard(text: str) -> tuple[int, int] | None:
     index, sep, count = text.partition("/")
     if not sep or not index.isdigit() or not count.isdigit():
@@ -578,98 +401,12 @@ def _parse_shard(text: str) -> tuple[int, int] | None:
     return (index, count) if 0 <= index < count else None
 
 
-def merge_results(paths: list[Path]) -> dict:
-    """Merge results JSONs of shards of one evaluation into one, recomputing every metric.
-
-    The files must come from the same settings (drafters, k, tokens, sampling, target) on
-    disjoint prompts; the merged file holds every prompt and the summed counters.
-
-    Args:
-        paths: results JSONs written by ``draftsmith evaluate --out``.
-
-    Returns:
-        The merged results dict (same layout as one run's).
-
-    Raises:
-        ValueError: naming the file whose settings or methods differ, or a prompt seen twice.
-    """
-    import json
-
-    loaded = []
-    for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not a results JSON ({exc})") from exc
-        loaded.append((path, data, data.get("methods", [data])))
-    ignore = {"shard", "max_minutes", "out", "merge", "threads", "limit", "report_to"}
-    first_path, first, first_methods = loaded[0]
-    same = {k: v for k, v in first["config"].items() if k not in ignore}
-    names = [m["method"] for m in first_methods]
-    for path, data, methods in loaded[1:]:
-        other = {k: v for k, v in data["config"].items() if k not in ignore}
-        diff = sorted(k for k in same.keys() | other.keys() if same.get(k) != other.get(k))
-        if diff:
-            raise ValueError(f"{path}: settings differ from {first_path}: {', '.join(diff)}")
-        if [m["method"] for m in methods] != names:
-            raise ValueError(f"{path}: methods differ from {first_path}")
-    k = first["k"] if "k" in first else first_methods[0]["k"]
-    results = []
-    for i, name in enumerate(names):
-        entries = [p for _, _, methods in loaded for p in methods[i]["per_prompt"]]
-        ids = [p["id"] for p in entries]
-        if len(set(ids)) != len(ids):
-            raise ValueError(
-                f"{name}: a prompt appears in more than one file; shards must be disjoint"
-            )
-        missing = [p["id"] for p in entries if "counters" not in p]
-        if missing:
-            raise ValueError(f"{name}: prompts {missing[:5]} have no counters (old results file)")
-        runs = [GenerationOutput(tokens=p["output_ids"], **p["counters"]) for p in entries]
-        base = None
-        if all("baseline_counters" in p for p in entries):
-            base = [_from_counters(p["baseline_counters"]) for p in entries]
-        template = first_methods[i]
-        result = {key: template[key] for key in ("method", "k", "temperature", "adaptive_k")}
-        result["dtype"] = template.get("dtype", "float32")
-        result.update(summarize(runs, k, base))
-        if all("reference_counters" in p for p in entries):
-            refs = [_from_counters(p["reference_counters"]) for p in entries]
-            other = template["reference_plain"]["dtype"]
-            result.update(fastest_plain(result, refs, result["dtype"], other))
-        flags = [p.get("identical_to_target") for p in entries]
-        # Sampled runs compare in distribution, not per sample (as one run reports them).
-        greedy = first["config"].get("temperature", 0.0) == 0
-        result["identical_to_target"] = all(flags) if greedy and None not in flags else None
-        if result["identical_to_target"] is not None:
-            result["identical_rate"] = sum(flags) / max(len(flags), 1)
-            result["near_ties"] = [
-                {"id": p["id"], **p["divergence"]} for p in entries if "divergence" in p
-            ]
-        result["per_prompt"] = entries
-        results.append(result)
-    out = dict(results[0]) if len(results) == 1 and "methods" not in first else {"methods": results}
-    out["config"] = first["config"]
-    out["merged_from"] = [str(p) for p in paths]
-    out["prompts_evaluated"] = len(results[0]["per_prompt"])
-    for key in ("command", "versions", "git_commit", "machine"):
-        if key in first:
-            out[key] = first[key]
-    return out
-
-
 def _console():
     """A console wide enough for the results table even when stdout is not a terminal."""
     from rich.console import Console
 
     console = Console()
     return console if console.is_terminal else Console(width=150)
-
-
-def _as_list(x) -> list:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple, set)) else [x]
 
 
 def _log_wandb(cfg: EvalConfig, result: dict) -> None:

@@ -218,15 +218,14 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader, Subset
     from tqdm.auto import tqdm
 
-    from draftsmith.train.data.hidden_states import (
-        DTYPES,
-        TokenDataset,
-        collate_hidden_states,
+    from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
+    from draftsmith.train.data.chat import template_fingerprint
+    from draftsmith.train.features.cache_format import DTYPES
+    from draftsmith.train.features.source import (
         dataset_fingerprint,
         feature_source,
         target_fingerprint,
     )
-    from draftsmith.train.data.tokenize import template_fingerprint
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.target.load import load_target, prepare_target
 

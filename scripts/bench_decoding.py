@@ -27,10 +27,10 @@ import time
 import torch
 
 from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
+from draftsmith.heads.hf_assisted import HFAssisted
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.train.data.prompts import load_prompts, render_prompt
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
-from draftsmith.train.decoding.hf_assisted import HFAssisted
 from draftsmith.train.decoding.metrics import summarize
 from draftsmith.train.decoding.speculative import generate
 from draftsmith.train.runinfo import run_info, write_json_atomic

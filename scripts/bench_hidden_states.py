@@ -3,7 +3,7 @@
 For every batch the cache would run, time a plain forward (``logits_to_keep=1``, no hidden
 states) and the cache's own per-batch path (forward with hidden states, storage-dtype stack,
 packing), alternating which goes first so machine load hits both alike; then time writing one
-shard. Goal (issue 3): caching >= 90% of plain prefill tokens/s.
+shard. Goal: caching >= 90% of plain prefill tokens/s.
 
 Run::
 
@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.train.data.tokenize import hidden_states as H
+from draftsmith.train.features.cache_format import DTYPES
+from draftsmith.train.features.cache_shards import compute_shard, make_plan, write_shard
+from draftsmith.train.features.source import default_layers, scan_token_data
 from draftsmith.train.runinfo import run_info, write_json_atomic
 from draftsmith.train.target.load import load_target
 
@@ -41,13 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, nargs="+", default=None, help="default: EAGLE-3 preset")
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--dtype", default="bf16", choices=list(H.DTYPES))
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     info = run_info()
 
     model, tok = load_target(args.target)
-    layers = args.layers or H.default_layers("eagle3", model.config.num_hidden_layers)
+    layers = args.layers or default_layers("eagle3", model.config.num_hidden_layers)
     text = "".join(p.read_text() for p in sorted(REPO.glob("**/*.py")))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     g = torch.Generator().manual_seed(0)
@@ -57,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         chunk = ids[pos : pos + n]
         samples.append({"input_ids": chunk, "loss_mask": [0] * (n // 2) + [1] * (n - n // 2)})
         pos += n
-    lengths, _ = H._scan(samples, None)
-    plan = H._make_plan(lengths, args.batch_tokens, 64, 1 << 40, 1)
+    lengths, _ = scan_token_data(samples, None)
+    plan = make_plan(lengths, args.batch_tokens, 64, 1 << 40, 1)
     batches = [b for shard in plan.shards for b in shard]
-    store = H.DTYPES[args.dtype]
+    store = DTYPES[args.dtype]
 
     def plain(batch: list[int]) -> None:
         n = [len(samples[i]["input_ids"]) for i in batch]
@@ -88,14 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                 plain(batch)
                 t_plain += time.perf_counter() - t0
             else:
-                parts.append(
-                    H._compute_shard(model, samples, [batch], layers, store, None, _NoBar())
-                )
+                parts.append(compute_shard(model, samples, [batch], layers, store, None, _NoBar()))
                 t_cache += time.perf_counter() - t0
     tensors = {k: torch.cat([p[k] for p in parts]) for k in ("hidden", "input_ids", "loss_mask")}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        size = H._write_shard(Path(tmp) / "shard.safetensors", tensors, {"bench": 1})
+        size = write_shard(Path(tmp) / "shard.safetensors", tensors, {"bench": 1})
         t_write = time.perf_counter() - t0
     tokens = int(lengths.sum())
     result = {

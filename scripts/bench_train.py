@@ -73,12 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter
-    from draftsmith.train.data.hidden_states import (
-        build_cache,
-        feature_source,
-    )
     from draftsmith.train.data.tokenize import build_dataset
     from draftsmith.train.data.vocab import draft_vocab, token_counts
+    from draftsmith.train.features.cache_write import build_cache
+    from draftsmith.train.features.source import feature_source
     from draftsmith.train.objectives.eagle_ttt import eagle3_ttt_loss
     from draftsmith.train.runinfo import run_info, write_json_atomic
     from draftsmith.train.target.load import load_target

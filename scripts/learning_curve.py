@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from safetensors.torch import load_file
 
-    from draftsmith.heads.eagle import EagleProposer, load_drafter
+    from draftsmith.heads.eagle import load_drafter
+    from draftsmith.heads.eagle_proposer import EagleProposer
     from draftsmith.train.core.checkpoint import TrainerState, finished_checkpoints
     from draftsmith.train.data.prompts import load_prompts, render_prompt
     from draftsmith.train.decoding.speculative import generate

@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def record_messages(obj: dict) -> list[dict]:
     """Chat messages up to and including the last user turn of one record.
 
-    Accepts the shapes of ``train/data/tokenize.py``: ``messages``, ``conversations`` (ShareGPT),
+    Accepts the shapes of ``train/data/records.py``: ``messages``, ``conversations`` (ShareGPT),
     ``instruction``/``input`` (Alpaca: instruction, blank line, input when the input is not
     blank), ``prompt``/``system``, and ``text`` (sent as one user turn).
     """

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from conftest import tiny_model_dir
 
-from draftsmith.recipes import bench
 from draftsmith.recipes.cli import main as cli
 from draftsmith.train.decoding.draft_length import load_cost_profile, predicted_speedups
+from draftsmith.train.report import recommend
+from draftsmith.train.report.bench import results_rows
+from draftsmith.train.report.plots import PLOTS
 
 DRAFTERS = ["ngram", "draft-lm", "eagle", "eagle-tree", "hf-prompt-lookup"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -153,7 +155,7 @@ def test_bench_writes_json_markdown_and_plots(setup):
     from PIL import Image
 
     plots = [Path(p) for p in report["outputs"]["plots"]]
-    assert [p.name for p in plots] == list(bench.PLOTS)
+    assert [p.name for p in plots] == list(PLOTS)
     for path in plots:
         assert path.read_bytes()[:8] == PNG_MAGIC, path
         with Image.open(path) as image:
@@ -217,7 +219,7 @@ def test_shards_merge_into_the_rows_of_one_run(setup):
         return [[*r[:6], r[11]] for r in rows]
 
     full = setup["report"]
-    assert counts(bench.results_rows(report)) == counts(bench.results_rows(full))
+    assert counts(results_rows(report)) == counts(results_rows(full))
     for a, b in zip(report["recommendations"], full["recommendations"], strict=True):
         assert a["alpha_used"] == pytest.approx(b["alpha_used"])
     # The merged evaluate results hold every prompt, from both shards.
@@ -240,7 +242,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, setup, monkeypatch, capsys):
         return "\n".join(err)
 
     missing = tmp_path / "nope" / "forward_cost.json"
-    monkeypatch.setattr(bench, "DEFAULT_COST_PROFILES", (missing,))
+    monkeypatch.setattr(recommend, "DEFAULT_COST_PROFILES", (missing,))
     assert str(missing) in error(["--drafter", "ngram"])
     assert "no cost profile for dtype bfloat16" in error(
         ["--cost-profile", profile, "--dtype", "bfloat16"]

@@ -10,6 +10,7 @@ to search further.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -22,12 +23,13 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from draftsmith.recipes.cli import TRAIN_RECIPES
 from draftsmith.recipes.cli import main as cli
-from draftsmith.train.data.hidden_states import CacheConfig
-from draftsmith.train.data.self_distill import DistillConfig
 from draftsmith.train.data.tokenize import TokenizeConfig
 from draftsmith.train.data.vocab import VocabConfig
+from draftsmith.train.datagen.distill_command import SelfDistillConfig
 from draftsmith.train.export.command import FORMATS, ExportConfig
+from draftsmith.train.features.cache_command import CacheConfig
 from tests.conftest import tiny_model_dir
 
 SETTINGS = settings(
@@ -219,7 +221,7 @@ _CONFIG_CASES = {
         ],
     ),
     "distill": (
-        DistillConfig,
+        SelfDistillConfig,
         lambda d, t: [
             "data",
             "distill",
@@ -423,3 +425,35 @@ def test_debug_shows_the_traceback_and_help_says_so(tmp_path, capsys, monkeypatc
         cli(argv)
     assert cli(["--help"]) == 0
     assert "--debug" in capsys.readouterr().out
+
+
+def _first_example(module: str) -> str:
+    """The first command line of a module docstring's ``Launch::`` (or ``Usage::``) block."""
+    doc = importlib.import_module(module).__doc__
+    block = doc.split("::\n", 1)[1]
+    return next(line.strip() for line in block.splitlines() if line.strip())
+
+
+@pytest.mark.parametrize(
+    ("argv", "module"),
+    [
+        (["evaluate"], "draftsmith.recipes.evaluate"),
+        (["quickstart"], "draftsmith.recipes.quickstart"),
+        (["train", "eagle"], TRAIN_RECIPES["eagle"][0]),
+        (["train", "medusa"], TRAIN_RECIPES["medusa"][0]),
+        (["export"], "draftsmith.train.export.command"),
+    ],
+)
+def test_help_prints_launch_examples_line_by_line(argv, module, capsys, monkeypatch):
+    """``--help`` shows a docstring's launch examples as written, each on its own line (argparse's
+    default formatter ran them into the prose as one paragraph); prose is still wrapped."""
+    monkeypatch.setenv("COLUMNS", "80")  # narrower than the examples: they are not re-wrapped
+    with pytest.raises(SystemExit) as exit_:
+        cli([*argv, "--help"])
+    assert exit_.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert _first_example(module) in [line.strip() for line in lines]
+    if argv == ["quickstart"]:
+        assert "    draftsmith quickstart --budget-minutes 120 --prompts my_prompts.jsonl" in lines
+        prose = [line for line in lines if line.startswith("The main job, end to end")]
+        assert prose and len(prose[0]) <= 80

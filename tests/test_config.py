@@ -264,3 +264,30 @@ def test_help_text_and_own_parser(capsys):
     assert vars(args) == {"verbose": True, "config": None, "steps": "9"}  # only given flags
     cfg = config_from_args(TrainCfg, args)
     assert cfg.steps == 9 and cfg.lr == 3e-4
+
+
+def test_help_keeps_a_docstrings_examples_and_wraps_its_prose(capsys, monkeypatch):
+    """A module docstring as the description: prose paragraphs are re-wrapped to the terminal,
+    an indented block (``Launch::`` examples) and a bullet list print line by line as written."""
+    doc = """Train a thing.
+
+    Launch::
+
+        python train.py --lr 1e-4 --steps 10    # short
+        python train.py --config run.yaml
+
+    Some prose that is long enough to be wrapped by the formatter at the terminal width, and
+    written over two lines in the source.
+
+    * a bullet,
+      continued
+    """
+    monkeypatch.setenv("COLUMNS", "60")
+    with pytest.raises(SystemExit):
+        parse_config(TrainCfg, ["--help"], prog="train", description=doc)
+    lines = capsys.readouterr().out.splitlines()
+    assert "    python train.py --lr 1e-4 --steps 10    # short" in lines
+    assert "    python train.py --config run.yaml" in lines
+    assert "* a bullet," in lines and "  continued" in lines
+    start = lines.index("Some prose that is long enough to be wrapped by the")
+    assert lines[start + 1].startswith("formatter at the terminal width, and written over")

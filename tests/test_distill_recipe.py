@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from draftsmith.recipes.distill import DistillConfig, is_on_policy_step, main, on_policy_batch
 from draftsmith.train.core.checkpoint import finished_checkpoints
-from draftsmith.train.data.hidden_states import collate_hidden_states
+from draftsmith.train.data.batching import collate_hidden_states
 from tests.conftest import byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

@@ -199,6 +199,15 @@ def test_evaluate_rejects_bad_drafter_specs(tmp_path, tiny_target_dir, capsys, s
     assert problem in capsys.readouterr().err
 
 
+def test_settings_of_drafters_not_run_are_refused(tmp_path, tiny_target_dir, capsys):
+    """Each drafter kind declares the settings only it reads (heads/registry.py)."""
+    code, _ = _run(tmp_path, "--target", tiny_target_dir, "--drafter", "ngram", "--draft-layers", 0)
+    assert code == 2
+    assert "draft_model/draft_layers need drafter: draft-lm or hf-assisted" in (
+        capsys.readouterr().err
+    )
+
+
 def test_hf_assisted_matches_our_loop_with_the_same_draft(tmp_path, tiny_target_dir):
     """transformers' assisted generation runs beside our loop, with counters that add up."""
     code, res = _run(
@@ -237,7 +246,7 @@ def test_hf_assisted_matches_our_loop_with_the_same_draft(tmp_path, tiny_target_
 
 
 def test_hf_assisted_step_accounting():
-    from draftsmith.train.decoding.hf_assisted import _verification_steps
+    from draftsmith.heads.hf_assisted import _verification_steps
 
     # Prompt of 10; forward 0 verifies 3 drafts with the prompt and accepts 2 (emits 3, the cache
     # keeps 12); forward 1 is fed 1 + 3 tokens and accepts 0 (emits 1, cache 13); forward 2
@@ -293,7 +302,7 @@ def test_shards_merge_into_the_whole_run(tmp_path, tiny_target_dir):
             assert m[key] == pytest.approx(orig[key]), key
     # Overlapping shards and different settings are refused, naming the problem.
     with pytest.raises(ValueError, match="more than one file"):
-        from draftsmith.recipes.evaluate import merge_results
+        from draftsmith.train.decoding.results import merge_results
 
         merge_results([parts[0], parts[0]])
     other = tmp_path / "other.json"
@@ -384,7 +393,7 @@ def test_evaluate_bf16_reports_same_dtype_and_fastest_plain(tmp_path, tiny_targe
 def test_divergence_measures_the_logit_gap(target):
     import torch
 
-    from draftsmith.recipes.evaluate import NEAR_TIE_LOGIT_GAP, divergence
+    from draftsmith.train.decoding.results import NEAR_TIE_LOGIT_GAP, divergence
 
     prompt = torch.tensor([1, 2, 3, 4])
     logits = target(input_ids=prompt[None]).logits[0, -1]

@@ -10,7 +10,7 @@ import torch
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.recipes.cli import main as cli
-from draftsmith.train.export.command import eagle as export_eagle
+from draftsmith.train.export import eagle as export_eagle
 from draftsmith.train.export.hf import save_draft
 from draftsmith.train.export.medusa import load_medusa_export
 from draftsmith.train.objectives.draft_init import pruned_draft
@@ -31,7 +31,7 @@ def _export(*args) -> int:
 def test_eagle_formats_round_trip(tmp_path, tiny, fmt, version):
     target_dir, target, _ = tiny
     cfg = EagleConfig.from_target(
-        target.config, version, aux_layers=[1, 2, 3] if version == 3 else None
+        target.config, version, feature_layers=[1, 2, 3] if version == 3 else None
     )
     drafter = build_drafter(target, cfg, seed=1, init_std=0.2)
     src = save_drafter(drafter, tmp_path / "drafter")

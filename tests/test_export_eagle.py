@@ -1,4 +1,4 @@
-"""EAGLE exports (train/export/eagle.py): name mappings, config fields, round trips, atomicity."""
+"""EAGLE exports (train/export/eagle*.py): name mappings, config fields, round trips, atomicity."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
 from draftsmith.train.data.vocab import draft_vocab
-from draftsmith.train.export.command import eagle as ex
+from draftsmith.train.export import eagle as ex
+from draftsmith.train.export.eagle_card import INFO_FILE
+from draftsmith.train.export.eagle_config import export_format
 from tests.conftest import tiny_llama
 
 V, N = 64, 4  # tiny target: vocab, layers
@@ -26,7 +28,7 @@ def _drafter(target, version: int, *, draft_vocab_size=None, aux=None, nbr=False
         target.config,
         version,
         draft_vocab_size=draft_vocab_size,
-        aux_layers=aux,
+        feature_layers=aux,
         norm_before_residual=nbr,
     )
     d2t = t2d = None
@@ -85,7 +87,7 @@ def test_round_trip_logits_exact(tmp_path, tiny_target, fmt, version, kw):
     drafter = _drafter(tiny_target, version, **kw)
     src = _save(tmp_path, drafter)
     out = _export(fmt, src, tmp_path / "export")
-    assert ex.export_format(json.loads((out / "config.json").read_text())) == fmt
+    assert export_format(json.loads((out / "config.json").read_text())) == fmt
     reloaded = ex.load_export(out, tiny_target)
     assert reloaded.config == drafter.config
     for a, b in zip(_logits(drafter, tiny_target), _logits(reloaded, tiny_target), strict=True):
@@ -228,7 +230,7 @@ def test_failure_mid_export_leaves_nothing(tmp_path, tiny_target, monkeypatch):
         raise RuntimeError("disk full")
 
     # The weights are already written when the model card fails.
-    monkeypatch.setattr(ex, "_model_card", boom)
+    monkeypatch.setattr(ex, "model_card", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         ex.export_speculators(src, out, verifier_name_or_path="t")
     assert not out.exists()
@@ -240,7 +242,7 @@ def test_failed_overwrite_keeps_the_old_export(tmp_path, tiny_target, monkeypatc
     out = ex.export_speculators(src, tmp_path / "spec", verifier_name_or_path="old")
     with pytest.raises(FileExistsError):
         ex.export_speculators(src, out, verifier_name_or_path="new")
-    monkeypatch.setattr(ex, "_model_card", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(ex, "model_card", lambda *a, **k: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         ex.export_speculators(src, out, verifier_name_or_path="new", overwrite=True)
     cfg = json.loads((out / "config.json").read_text())
@@ -278,7 +280,7 @@ def test_model_card_reports_tau_or_not_measured(tmp_path, tiny_target):
     out = ex.export_speculators(run, tmp_path / "b", verifier_name_or_path="org/t")
     card = (out / "README.md").read_text()
     assert "3.456" in card and "not measured" not in card and "eval_eagle3.json" in card
-    info = json.loads((out / ex.INFO_FILE).read_text())
+    info = json.loads((out / INFO_FILE).read_text())
     assert info["evaluation"]["acceptance_length"] == 3.456
     assert info["drafter_config"]["draft_vocab_size"] == 40
 

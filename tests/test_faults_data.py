@@ -1,4 +1,4 @@
-"""Faults on the data / cache / export side (issue 11): each test injects one and checks the
+"""Faults on the data / cache / export side: each test injects one and checks the
 one-line error, the exit code, and that earlier good files survive with no temp dirs left."""
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.recipes.cli import main as cli
 from draftsmith.train import safety
-from draftsmith.train.data.hidden_states import (
-    CacheMismatchError,
-    HiddenStateCache,
-    build_cache,
-    feature_source,
-    target_fingerprint,
-)
-from draftsmith.train.data.tokenize import self_distill as sd_mod
+from draftsmith.train.datagen import distill_command, resumable
+from draftsmith.train.datagen import self_distill as sd_mod
 from draftsmith.train.export.hf import save_draft
+from draftsmith.train.features.cache_format import CacheMismatchError
+from draftsmith.train.features.cache_read import HiddenStateCache
+from draftsmith.train.features.cache_write import build_cache
+from draftsmith.train.features.source import feature_source, target_fingerprint
 from draftsmith.train.objectives.draft_init import pruned_draft
 from draftsmith.train.runinfo import clean_stale_dirs, output_lock, write_json_atomic
 from draftsmith.train.safety import DiskSpaceError, OutputLockedError
@@ -83,7 +81,7 @@ def _checkpoint(fmt: str, tmp_path: Path, target_dir: Path, target, bad: float) 
         version = 1 if fmt == "eagle" else 3
         aux = [1, 2, 3] if version == 3 else None
         drafter = build_drafter(
-            model, EagleConfig.from_target(model.config, version, aux_layers=aux)
+            model, EagleConfig.from_target(model.config, version, feature_layers=aux)
         )
         with torch.no_grad():
             drafter.fc.weight[0, 1] = bad
@@ -225,15 +223,15 @@ def test_exports_are_readable_by_other_users(tmp_path, target_dir, target, fmt):
 _SLOW_EXPORT = """
 import sys, time
 from pathlib import Path
-from draftsmith.train.export.command import eagle as export_eagle
-card = export_eagle._model_card
+from draftsmith.train.export import eagle as export_eagle
+card = export_eagle.model_card
 
 def slow_card(*args, **kwargs):  # the weights are written; a kill now leaves the temp dir
     Path(sys.argv[3]).write_text("ready")
     time.sleep(60)
     return card(*args, **kwargs)
 
-export_eagle._model_card = slow_card
+export_eagle.model_card = slow_card
 export_eagle.export_eagle(sys.argv[1], sys.argv[2], target_name_or_path="t")
 """
 
@@ -344,7 +342,8 @@ def _distill_argv(tmp_path, target_dir, out) -> list[str]:
 _HELD_DISTILL = """
 import sys, time
 from pathlib import Path
-from draftsmith.train.data.tokenize import self_distill
+from draftsmith.train.datagen import distill_command
+from draftsmith.train.datagen import self_distill
 batch = self_distill._distill_batch
 ready, go = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -355,7 +354,7 @@ def held(*args, **kwargs):  # the first run holds the output until the test says
     return batch(*args, **kwargs)
 
 self_distill._distill_batch = held
-sys.exit(self_distill.main_distill(sys.argv[3:]))
+sys.exit(distill_command.main_distill(sys.argv[3:]))
 """
 
 
@@ -401,7 +400,7 @@ def test_distill_checks_free_space_before_generating(tmp_path, target_dir, monke
     monkeypatch.setattr(sd_mod, "_distill_batch", lambda *a, **k: calls.append(1) or batch(*a, **k))
     monkeypatch.setattr(safety, "free_bytes", lambda path: 100)
     out = tmp_path / "sd.jsonl"
-    assert sd_mod.main_distill(_distill_argv(tmp_path, target_dir, out)) == 1
+    assert distill_command.main_distill(_distill_argv(tmp_path, target_dir, out)) == 1
     assert _err_line(capsys).startswith(f"error: no space left on {tmp_path}: need ~")
     assert calls == [] and out.read_text() == ""  # no generation time spent, nothing written
 
@@ -410,11 +409,11 @@ def test_distill_disk_full_mid_write_keeps_complete_batches(
     tmp_path, target_dir, monkeypatch, capsys
 ):
     argv_ref = _distill_argv(tmp_path, target_dir, tmp_path / "ref.jsonl")
-    assert sd_mod.main_distill(argv_ref) == 0
+    assert distill_command.main_distill(argv_ref) == 0
     reference = (tmp_path / "ref.jsonl").read_bytes()
 
     writes = []
-    append = sd_mod._append
+    append = resumable._append
 
     def fill_up(fd, data):  # the second batch: half its bytes land, then the disk is full
         writes.append(len(data))
@@ -423,16 +422,16 @@ def test_distill_disk_full_mid_write_keeps_complete_batches(
             raise OSError(errno.ENOSPC, "No space left on device")
         append(fd, data)
 
-    monkeypatch.setattr(sd_mod, "_append", fill_up)
+    monkeypatch.setattr(resumable, "_append", fill_up)
     out = tmp_path / "sd.jsonl"
     argv = _distill_argv(tmp_path, target_dir, out)
     capsys.readouterr()
-    assert sd_mod.main_distill(argv) == 1
+    assert distill_command.main_distill(argv) == 1
     assert _err_line(capsys).startswith(f"error: no space left on {tmp_path}")
     lines = out.read_bytes()
     assert lines.endswith(b"\n") and len(lines) == writes[0]  # exactly the first batch
     monkeypatch.undo()
-    assert sd_mod.main_distill(argv) == 0  # resumes after space was freed
+    assert distill_command.main_distill(argv) == 0  # resumes after space was freed
     assert out.read_bytes() == reference
 
 

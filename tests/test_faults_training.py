@@ -1,4 +1,4 @@
-"""Faults injected into the training recipes (issue 11): each gives a named outcome, no lost work.
+"""Faults injected into the training recipes: each gives a named outcome, no lost work.
 
 Signals are sent to real recipe subprocesses; the other faults run the recipes in-process on a
 tiny target (a few optimizer steps each).
@@ -374,11 +374,11 @@ def _empty(tmp_path: Path) -> Path:
         (_malformed, {}, "bad.jsonl:25"),
         (_empty, {}, "empty.jsonl"),
         (_prompts_only, {"split": "all"}, "draftsmith data distill"),
-        (None, {"version": 3, "aux_layers": "1 2 9"}, "aux_layers: [1, 2, 9] is outside"),
+        (None, {"version": 3, "feature_layers": "1 2 9"}, "feature_layers: [1, 2, 9] is outside"),
         (None, {"version": 3, "draft_vocab_size": 100_000}, "draft_vocab_size: 100000 is larger"),
         (lambda p: None, {"init_from": "nowhere/drafter"}, "init_from: nowhere/drafter"),
     ],
-    ids=["missing", "malformed", "empty", "prompts-only", "aux-layers", "vocab", "init-from"],
+    ids=["missing", "malformed", "empty", "prompts-only", "feature-layers", "vocab", "init-from"],
 )
 def test_input_errors_are_one_line(tmp_path, tiny_target_dir, capsys, make_data, over, expect):
     over = dict(over)
@@ -386,9 +386,9 @@ def test_input_errors_are_one_line(tmp_path, tiny_target_dir, capsys, make_data,
     argv = eagle_args(tmp_path, tiny_target_dir, version=version, max_steps=2, **over)
     if make_data is not None and make_data(tmp_path) is not None:
         argv[argv.index("--data") + 1] = str(make_data(tmp_path))
-    if "aux_layers" in over:  # a list flag takes several values
-        i = argv.index("--aux-layers")
-        argv[i + 1 : i + 2] = over["aux_layers"].split()
+    if "feature_layers" in over:  # a list flag takes several values
+        i = argv.index("--feature-layers")
+        argv[i + 1 : i + 2] = over["feature_layers"].split()
     assert eagle(argv) == 2
     assert expect in one_error_line(capsys.readouterr().err)
 

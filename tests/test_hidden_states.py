@@ -13,22 +13,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.train.data.hidden_states import (
+from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
+from draftsmith.train.data.chat import template_fingerprint
+from draftsmith.train.data.vocab import draft_vocab, load_vocab_stats, main_vocab
+from draftsmith.train.features.cache_command import main_cache
+from draftsmith.train.features.cache_format import (
+    DTYPES,
     CacheError,
     CacheMismatchError,
     DiskSpaceError,
-    HiddenStateCache,
-    build_cache,
-    collate_hidden_states,
+)
+from draftsmith.train.features.cache_read import HiddenStateCache
+from draftsmith.train.features.cache_shards import make_plan
+from draftsmith.train.features.cache_write import build_cache
+from draftsmith.train.features.source import (
     compute_hidden_states,
     dataset_fingerprint,
     default_layers,
     feature_source,
-    main_cache,
     target_weights_hash,
 )
-from draftsmith.train.data.tokenize import hidden_states as hs_mod
-from draftsmith.train.data.vocab import draft_vocab, load_vocab_stats, main_vocab
 from tests.conftest import tiny_llama, tiny_model_dir
 
 LAYERS = [0, 2, 4]  # embeddings, a middle layer, the final normed output of the 4-layer target
@@ -124,15 +128,15 @@ def test_storage_dtypes(model, samples, tmp_path, dtype):
     out = tmp_path / dtype
     summary = build(model, samples[:8], out, dtype=dtype, shard_mb=512)
     cache = HiddenStateCache(out)
-    assert cache.dtype == hs_mod.DTYPES[dtype] and cache.manifest["dtype"] == dtype
+    assert cache.dtype == DTYPES[dtype] and cache.manifest["dtype"] == dtype
     tol = {"bf16": 1e-2, "fp16": 1e-3, "fp32": 1e-5}[dtype]
     for i in range(8):
         got = cache[i]["hidden_states"][4]
-        assert got.dtype == hs_mod.DTYPES[dtype]
+        assert got.dtype == DTYPES[dtype]
         torch.testing.assert_close(got.float(), reference(model, samples[i])[4], atol=tol, rtol=tol)
     shard = out / "shard-00000.safetensors"
     ntok = summary["num_tokens"]
-    payload = ntok * len(LAYERS) * 32 * hs_mod.DTYPES[dtype].itemsize
+    payload = ntok * len(LAYERS) * 32 * DTYPES[dtype].itemsize
     assert summary["estimate_bytes"] == payload + 9 * ntok
     assert 0 < shard.stat().st_size - summary["estimate_bytes"] < 4096  # header + offsets
 
@@ -182,7 +186,7 @@ def test_other_settings_refused_unless_overwrite(model, samples, tmp_path):
 
 def test_disk_estimate_refusal(model, samples, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(hs_mod.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     with pytest.raises(DiskSpaceError) as err:
         build(model, samples, tmp_path / "c")
     need = sum(len(s["input_ids"]) for s in samples) * (3 * 32 * 4 + 9)
@@ -293,7 +297,7 @@ def test_online_and_offline_give_the_same_batches(model, samples, tmp_path, dtyp
 
 
 def test_online_features_can_feed_a_trained_layer(model, samples):
-    batch = collate_hidden_states([hs_mod.TokenDataset(samples)[i] for i in range(3)])
+    batch = collate_hidden_states([TokenDataset(samples)[i] for i in range(3)])
     feats = compute_hidden_states(model, batch, [2, 4])
     head = torch.nn.Linear(32, 8)
     loss = head(torch.cat([feats[2], feats[4]], dim=1)).square().mean()
@@ -359,7 +363,7 @@ def test_cli_cache_and_vocab(tmp_path, capsys):
     assert m["target"]["hash"] == target_weights_hash(model_dir)
     assert m["target"]["path"] == str(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    assert m["template_fingerprint"] == hs_mod._template_fingerprint(tok)
+    assert m["template_fingerprint"] == template_fingerprint(tok)
     tensors, meta = load_vocab_stats(tmp_path / "c")
     eos = tok.eos_token_id  # forced into the draft vocab
     assert meta["always_include"] == [eos] and tensors["t2d"][eos]
@@ -394,9 +398,7 @@ def test_make_plan_respects_batch_tokens():
     import numpy as np
 
     lengths = np.array([5, 40, 12, 12, 3, 40, 7, 200])
-    plan = hs_mod._make_plan(
-        lengths, batch_tokens=64, max_batch_size=3, shard_bytes=100, bytes_per_token=1
-    )
+    plan = make_plan(lengths, batch_tokens=64, max_batch_size=3, shard_bytes=100, bytes_per_token=1)
     batches = [b for shard in plan.shards for b in shard]
     assert sorted(i for b in batches for i in b) == list(range(8))
     assert batches[0] == [7]  # longest first, alone (longer than the budget)
@@ -439,7 +441,7 @@ def _launch(script: Path, *args: str) -> subprocess.CompletedProcess:
 RANK_SCRIPT = """
 import json, os, sys
 from draftsmith.train.config import parse_config
-from draftsmith.train.data.hidden_states import CacheConfig, run_cache
+from draftsmith.train.features.cache_command import CacheConfig, run_cache
 s = run_cache(parse_config(CacheConfig, sys.argv[1:]))
 # One file per rank: two ranks printing to one pipe can interleave their lines.
 path = os.path.join(os.environ["SUMMARY_DIR"], f"rank{s['process_index']}.json")
@@ -507,10 +509,11 @@ FSDP_SCRIPT = """
 import sys, torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from draftsmith.train.data.hidden_states import (
-    CacheError, TokenDataset, build_cache, collate_hidden_states, compute_hidden_states,
-    process_state,
-)
+from draftsmith.train.core.dist import process_state
+from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
+from draftsmith.train.features.cache_format import CacheError
+from draftsmith.train.features.cache_write import build_cache
+from draftsmith.train.features.source import compute_hidden_states
 from tests.conftest import tiny_llama
 from tests.test_hidden_states import make_samples
 

@@ -1,4 +1,7 @@
-"""Tests for draftsmith.train.data.magpie: prefix derivation, filters, dedupe, determinism, resume."""
+"""Tests for Magpie prompts (data.user_turn, prompt_filters, prompt_sources, magpie, prompts_command).
+
+Covered: prefix derivation, filters, dedupe, determinism, resume.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +15,16 @@ import pytest
 import torch
 
 from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.data.magpie import (
-    FilterRules,
-    MagpieError,
-    PromptIndex,
-    SeedPrompt,
-    check_text,
-    load_exclusions,
-    load_seed_prompts,
-    main_prompts,
-    make_prompts,
-    normalize,
-    user_turn_prefix,
-)
+from draftsmith.train.data.chat import TemplateError
+from draftsmith.train.data.files import DataFileError
 from draftsmith.train.data.prompts import DEFAULT_PROMPTS
-from draftsmith.train.data.self_distill import main_distill
-from draftsmith.train.data.tokenize import DataFileError, TemplateError, load_records
+from draftsmith.train.data.records import load_records
+from draftsmith.train.datagen.distill_command import main_distill
+from draftsmith.train.datagen.magpie import MagpieError, make_prompts
+from draftsmith.train.datagen.prompt_filters import FilterRules, PromptIndex, check_text, normalize
+from draftsmith.train.datagen.prompt_sources import SeedPrompt, load_exclusions, load_seed_prompts
+from draftsmith.train.datagen.prompts_command import main_prompts
+from draftsmith.train.datagen.user_turn import user_turn_prefix
 from draftsmith.train.runinfo import output_lock
 from draftsmith.train.safety import OutputLockedError
 from tests.conftest import byte_tokenizer, tiny_llama

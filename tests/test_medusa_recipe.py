@@ -152,8 +152,8 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
 
 def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
     from draftsmith.train.core.data import load_samples
-    from draftsmith.train.data.hidden_states import build_cache
-    from draftsmith.train.data.tokenize import template_fingerprint
+    from draftsmith.train.data.chat import template_fingerprint
+    from draftsmith.train.features.cache_write import build_cache
 
     assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
     target, tokenizer = load_target(tiny_target_dir)

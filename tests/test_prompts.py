@@ -264,11 +264,15 @@ BAD_RECORDS = [
         "two user turns in a row",
     ),
     ({"messages": [{"role": "system", "content": "s"}]}, "messages", "must end with a user turn"),
-    ({"messages": [{"role": "assistant", "content": "a"}]}, "messages", "end with a user turn"),
+    (
+        {"messages": [{"role": "assistant", "content": "a"}]},
+        "messages[0].role",
+        "expected a user turn",
+    ),
     (
         {"conversations": [{"from": "gpt", "value": "hello"}]},
-        "conversations",
-        "end with a user turn",
+        "conversations[0].from",
+        "expected a user turn",
     ),
     (
         {"conversations": [{"from": "robot", "value": "hi"}]},

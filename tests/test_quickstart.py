@@ -17,12 +17,9 @@ import pytest
 import torch
 
 from draftsmith.recipes.cli import main as cli
-from draftsmith.recipes.quickstart import (
-    STATE_FILE,
-    QuickstartConfig,
-    make_plan,
-    vllm_serve_command,
-)
+from draftsmith.recipes.quickstart import STATE_FILE, QuickstartConfig
+from draftsmith.train.jobs.budget import make_plan
+from draftsmith.train.report.quickstart import vllm_serve_command
 from tests.conftest import byte_tokenizer, tiny_llama
 
 STAGES = ["prepare", "prompts", "distill", "tokenize", "cache", "train", "evaluate", "export"]
@@ -51,7 +48,7 @@ def writer_target(path: Path) -> Path:
     turn of letters and spaces ends every few dozen tokens (as in tests/test_magpie.py). Each of
     those rows gets its own small noise: equal rows would tie exactly wherever the hidden state
     points the other way, and an exact tie's argmax may differ between forwards of two widths."""
-    from draftsmith.train.data.magpie import user_turn_prefix
+    from draftsmith.train.datagen.user_turn import user_turn_prefix
 
     tok = byte_tokenizer()
     model = tiny_llama(vocab_size=len(tok), init_std=0.1)

@@ -1,4 +1,7 @@
-"""Tests for draftsmith.train.data.self_distill: batched generation, record shapes, resume, seeds."""
+"""Tests for self-distillation (data.generation, data.self_distill, data.distill_command).
+
+Covered: batched generation, record shapes, resume, seeds.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,11 @@ import pytest
 import torch
 
 from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.data.self_distill import (
-    DistillError,
-    generate_batch,
-    main_distill,
-    read_completed,
-    self_distill,
-)
-from draftsmith.train.data.tokenize import chat_token_ids, load_records
+from draftsmith.train.data.chat import chat_token_ids
+from draftsmith.train.data.records import load_records
+from draftsmith.train.datagen.distill_command import main_distill
+from draftsmith.train.datagen.generation import generate_batch
+from draftsmith.train.datagen.self_distill import DistillError, read_completed, self_distill
 from draftsmith.train.decoding.speculative import generate
 from tests.conftest import byte_tokenizer, tiny_llama
 

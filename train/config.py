@@ -25,8 +25,11 @@ import copy
 import dataclasses
 import difflib
 import functools
+import inspect
 import math
 import os
+import re
+import textwrap
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING
@@ -347,6 +350,22 @@ def load_config(
     return obj
 
 
+def as_list(x: Any) -> list:
+    """``x`` as a list: None is empty, arrays and tensors convert, a single value is wrapped.
+
+    For values that come as one item or several (``generation_config.eos_token_id``: None, an
+    int or a list) and token rows that come as lists, tuples, numpy arrays or tensors.
+
+    >>> as_list(None), as_list(2), as_list((1, 2))
+    ([], [2], [1, 2])
+    """
+    if x is None:
+        return []
+    if hasattr(x, "tolist"):  # numpy arrays and scalars, torch tensors
+        x = x.tolist()
+    return list(x) if isinstance(x, (list, tuple, set)) else [x]
+
+
 def _plain(value: Any) -> Any:
     if _is_config_class(type(value)):
         return {name: _plain(v) for name, v in _shallow(value).items()}
@@ -404,6 +423,35 @@ def _add_fields(
         group.add_argument("--" + path.replace("_", "-"), **kwargs)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """``--help`` that keeps the layout of a description or epilog written as a docstring.
+
+    argparse's default formatter joins every line into one paragraph, so a recipe docstring's
+    ``Launch::`` examples run together. Here paragraphs (split at blank lines) are re-wrapped to
+    the terminal as before, but a paragraph holding an indented line or a bullet (``*``, ``-``)
+    -- a launch example, a table, a list -- prints line by line as written. Option help is
+    wrapped as by default (the config flags already show their defaults).
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(text))
+        out = []
+        for paragraph in paragraphs:
+            lines = paragraph.splitlines()
+            if any(line[:1].isspace() or line.startswith(("* ", "- ")) for line in lines):
+                out.append("\n".join(indent + line.rstrip() for line in lines))
+            else:
+                out.append(
+                    textwrap.fill(
+                        " ".join(paragraph.split()),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                    )
+                )
+        return "\n\n".join(out)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add ``--config PATH`` and one ``--field-name`` flag per field of ``cls``.
 
@@ -444,9 +492,14 @@ def parse_config(
 ) -> T:
     """Parse command-line flags (``sys.argv[1:]`` by default) into a ``cls`` config.
 
+    ``description`` may be a module docstring: its launch examples print as written
+    (:class:`HelpFormatter`).
+
     Raises:
         ConfigError: As :func:`load_config`; errors name the field, not the flag.
     """
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=HelpFormatter
+    )
     add_config_arguments(parser, cls)
     return config_from_args(cls, parser.parse_args(argv))

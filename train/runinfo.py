@@ -280,3 +280,16 @@ def staged_dir(out: str | Path, *, overwrite: bool, need_bytes: int = 0) -> Iter
         shutil.rmtree(tmp, ignore_errors=True)
         _raise_if_disk_full(exc, out.parent, need_bytes)
         raise
+
+
+def machine_load() -> dict[str, float | int]:
+    """The load average and core count: a busy 2-core machine skews every timing.
+
+    Results JSONs record it before and after a timed run, so a reader can tell whether another
+    job shared the cores. Empty where the platform has no load average.
+    """
+    try:
+        load = os.getloadavg()
+    except OSError:
+        return {}
+    return {"loadavg_1m": load[0], "loadavg_5m": load[1], "cpu_count": os.cpu_count()}

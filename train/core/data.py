@@ -260,9 +260,10 @@ def input_errors() -> Iterator[None]:
     file, a chat-template problem, a target that cannot be loaded, a cache that does not match);
     they are the user's to fix, not a bug to show a traceback for.
     """
-    from draftsmith.train.data.hidden_states import CacheError
-    from draftsmith.train.data.tokenize import DataFileError, TemplateError
+    from draftsmith.train.data.chat import TemplateError
+    from draftsmith.train.data.files import DataFileError
     from draftsmith.train.errors import RunError
+    from draftsmith.train.features.cache_format import CacheError
     from draftsmith.train.target.load import TargetError
 
     try:

@@ -1,6 +1,6 @@
-"""Processes of one run: the process group (with a timeout), agreement between ranks, teardown.
+"""Processes of one run: accelerate state, process group with a timeout, agreement, teardown.
 
-Why each piece exists (issue 11, all seen on 2 CPU processes):
+Why each piece exists (each failure was seen on 2 CPU processes):
 
 * a process-group timeout: a stopped (SIGSTOP) or stuck rank left the other waiting in an
   all-reduce for > 2 min with no message; with ``pg_timeout_minutes`` the waiting rank's
@@ -21,25 +21,40 @@ import datetime
 import os
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from accelerate import PartialState
 
-def start_processes(timeout_minutes: float) -> Any:
-    """This process's accelerate ``PartialState``, the process group created with a timeout.
 
-    CPU processes (gloo) are used when the machine has no accelerator (see
-    :func:`draftsmith.train.data.hidden_states.process_state`); ``ACCELERATE_USE_CPU=1`` forces them.
-    Must run before the ``Accelerator`` is built (the state is process-wide).
+def process_state(**kwargs: Any) -> PartialState:
+    """This process's accelerate state; CPU processes (gloo) when there is no accelerator.
+
+    ``PartialState()`` alone never forms a multi-process group on a CPU-only machine (it needs
+    ``cpu=True``), so 2 CPU processes started by ``accelerate launch``/``torchrun`` would each
+    believe they are alone. ``ACCELERATE_USE_CPU=1`` forces CPU processes on a GPU machine.
+
+    Args:
+        **kwargs: passed on to ``PartialState`` (e.g. ``timeout``).
     """
     from accelerate import PartialState
 
     forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     accel = getattr(torch, "accelerator", None)
     has_accelerator = accel.is_available() if accel is not None else torch.cuda.is_available()
-    timeout = datetime.timedelta(minutes=timeout_minutes)
-    state = PartialState(cpu=forced or not has_accelerator, timeout=timeout)
+    return PartialState(cpu=forced or not has_accelerator, **kwargs)
+
+
+def start_processes(timeout_minutes: float) -> PartialState:
+    """This process's accelerate ``PartialState``, the process group created with a timeout.
+
+    CPU processes (gloo) are used when the machine has no accelerator (see
+    :func:`process_state`). Must run before the ``Accelerator`` is built (the state is
+    process-wide).
+    """
+    state = process_state(timeout=datetime.timedelta(minutes=timeout_minutes))
     if state.num_processes > 1:
         _die_with_parent()
     return state

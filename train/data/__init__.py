@@ -1,1 +1,1 @@
-"""Training data: records and chat templates, prompts, self-distillation, Magpie prompts, hidden states (features, cache), draft vocabulary."""
+"""What training data is: record files and their one parser, chat templates and loss masks, tokenized datasets and batching, prompt sets, the EAGLE-3 draft vocabulary."""

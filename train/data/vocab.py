@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.train.config import cfg_field
+from draftsmith.train.config import as_list, cfg_field
 from draftsmith.train.errors import UsageError, cli_main
 
 __all__ = [
@@ -216,8 +216,8 @@ def iter_token_chunks(
         return
     for start in range(0, len(data), chunk_size):
         rows = [data[i] for i in range(start, min(start + chunk_size, len(data)))]
-        ids = [np.asarray(_as_list(r["input_ids"]), dtype=np.int64) for r in rows]
-        mask = [np.asarray(_as_list(r["loss_mask"]), dtype=np.int64) for r in rows]
+        ids = [np.asarray(as_list(r["input_ids"]), dtype=np.int64) for r in rows]
+        mask = [np.asarray(as_list(r["loss_mask"]), dtype=np.int64) for r in rows]
         lengths = np.array([len(x) for x in ids], dtype=np.int64)
         _check_lengths(data, start, lengths, np.array([len(x) for x in mask], dtype=np.int64))
         cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)  # noqa: E731
@@ -550,7 +550,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 def _open_any(path: Path) -> Any:
     """A cache directory (read through its shards) or tokenized data."""
     if _read_manifest(path) is not None:
-        from draftsmith.train.data.hidden_states import HiddenStateCache
+        from draftsmith.train.features.cache_read import HiddenStateCache
 
         return HiddenStateCache(path).token_view()
     return load_token_data(path)
@@ -558,10 +558,6 @@ def _open_any(path: Path) -> Any:
 
 def _is_hf_dataset(data: Any) -> bool:
     return type(data).__name__ == "Dataset" and hasattr(data, "with_format")
-
-
-def _as_list(x: Any) -> Any:
-    return x.tolist() if hasattr(x, "tolist") else x
 
 
 def _check_lengths(data: Any, start: int, ids_len: np.ndarray, mask_len: np.ndarray) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from draftsmith.train.decoding.speculative import GenerationOutput
+from draftsmith.heads.base import GenerationOutput
 
 
 def summarize(

@@ -24,48 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.heads.base import Drafter, Features, Proposal
+from draftsmith.heads.base import Drafter, Features, GenerationOutput, Proposal
 from draftsmith.heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
-
-
-@dataclass
-class GenerationOutput:
-    """Tokens and counters of one generated sequence.
-
-    Attributes:
-        tokens: generated token ids (prompt excluded), at most ``max_new_tokens``.
-        target_forwards: target forward passes, prefill included (plain decoding: one per token).
-        draft_steps: verification steps in which the drafter proposed at least one token.
-        proposed: draft tokens proposed in total.
-        accepted: draft tokens accepted in total.
-        accepted_per_position: ``[k]`` accepted tokens at draft position i (depth i for trees).
-        stop_reason: "eos" or "length".
-        wall_time: seconds for the whole sequence (prefill included).
-        draft_time: seconds spent inside the drafter.
-        prefill_time: seconds of the prompt forward (and the drafter's start).
-    """
-
-    tokens: list[int]
-    target_forwards: int = 0
-    draft_steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    stop_reason: str = "length"
-    wall_time: float = 0.0
-    draft_time: float = 0.0
-    prefill_time: float = 0.0
-
-    @property
-    def acceptance_length(self) -> float:
-        """τ: tokens emitted per target forward (bonus token included; plain decoding = 1)."""
-        return len(self.tokens) / max(self.target_forwards, 1)
 
 
 def _as_prompt(prompt_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:

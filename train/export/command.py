@@ -140,7 +140,7 @@ def export(cfg: ExportConfig) -> Path:
     )
     target = cfg.target or _default_target()
     if cfg.format in ("speculators", "eagle3", "eagle"):
-        from draftsmith.train.export.command import eagle as export_eagle
+        from draftsmith.train.export import eagle as export_eagle
 
         common = dict(
             speculative_tokens=cfg.speculative_tokens,

@@ -39,37 +39,30 @@ our drafter uses. When the draft vocabulary is the full vocabulary, ``d2t``/``t2
 out: vLLM creates its ``draft_id_to_target_id`` parameter only when the sizes differ and would
 reject an unexpected one.
 
-**Aux layer ids** (EAGLE-3). Our ``EagleConfig.aux_layers`` are HF ``hidden_states`` indices
-(i = the input to decoder layer i). vLLM's ``eagle_aux_hidden_state_layer_ids`` use the same
-numbering (``EagleModelMixin._maybe_add_hidden_state`` records id 0 before the first layer and
-id i+1 after layer i), and so does speculators (its DFlash converter turns z-lab's "output of
-layer i" into ``i + 1``), so the speculators export writes ours unchanged. SGLang adds 1 to the
-ids it reads from ``eagle_config.eagle_aux_hidden_state_layer_ids`` ("for the ith layer, it
-takes the output of the (i-1)th layer"), i.e. its ids count layer *outputs*; the ``eagle3``
-export therefore writes ``aux - 1`` there, and omits the field when the layers are the default
-``[2, N//2, N-3]``, which SGLang and vLLM both use without it (vLLM reads that same field
-unshifted, so an ``eagle3`` export with custom layers is for SGLang only).
+How EAGLE-3's aux layer ids are numbered for each server: see
+:mod:`draftsmith.train.export.eagle_config`.
 
 Writes are atomic: everything goes into a temporary directory beside ``out`` that is checked
 (every exported tensor re-read and compared with the source) and renamed into place, so a crash
 never leaves a half export under the final name (:func:`~draftsmith.train.runinfo.staged_dir`:
 free space checked first, readable by other users, dead writers' temp dirs removed). Tensors
 with NaN or inf are refused. :func:`load_export` maps an export back to an
-:class:`~draftsmith.heads.eagle.EagleDrafter` for round-trip tests.
+:class:`~draftsmith.heads.eagle_model.EagleDrafter` for round-trip tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.heads.eagle import EagleConfig, EagleDrafter
+from draftsmith.heads.eagle import EagleConfig
+from draftsmith.heads.eagle_model import EagleDrafter
+from draftsmith.train.config import HelpFormatter
 from draftsmith.train.errors import RunError, cli_main
 from draftsmith.train.export.command import (
     ExportError,
@@ -77,30 +70,29 @@ from draftsmith.train.export.command import (
     check_finite,
     tensor_bytes,
 )
+from draftsmith.train.export.eagle_card import INFO_FILE, model_card, provenance
+from draftsmith.train.export.eagle_config import (
+    CONFIG_FILE,
+    config_from_export,
+    dtype_name,
+    eagle1_config,
+    eagle3_config,
+    export_format,
+    speculators_config,
+)
 from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
     "FORMATS",
-    "SPECULATORS_VERSION",
     "export_eagle",
     "export_eagle3",
-    "export_format",
     "export_speculators",
     "load_export",
     "main_export_eagle",
 ]
 
 FORMATS = ("speculators", "eagle3", "eagle")
-#: The vllm-project/speculators release whose config classes this export follows (v0.7.0:
-#: ``Eagle3SpeculatorConfig``, ``SpeculatorsConfig``, ``GreedyTokenProposalConfig``).
-SPECULATORS_VERSION = "0.7.0"
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-#: Provenance written beside the weights (source drafter config, training and eval metrics).
-INFO_FILE = "draftsmith_export.json"
-ARCH_SPECULATORS = "Eagle3Speculator"
-ARCH_EAGLE3 = "LlamaForCausalLMEagle3"
-ARCH_EAGLE1 = "EagleLlamaForCausalLM"
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,11 +144,6 @@ def _from_export(name: str, fmt: str) -> str:
 
 def _full_vocab(cfg: EagleConfig) -> bool:
     return cfg.version == 1 or cfg.draft_vocab_size == cfg.vocab_size
-
-
-def _default_aux(num_layers: int) -> list[int]:
-    """The aux layers vLLM and SGLang pick when a checkpoint names none (HF indices)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,315 +215,6 @@ def _check_tensors(
         )
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _eval_result(obj: Any) -> dict[str, Any] | None:
-    """The EAGLE entry of an evaluation results file (``draftsmith evaluate`` / vllm_check)."""
-    if not isinstance(obj, dict):
-        return None
-    if "acceptance_length" in obj:
-        return obj
-    methods = obj.get("methods")
-    if isinstance(methods, list):
-        rows = [m for m in methods if isinstance(m, dict) and "acceptance_length" in m]
-        eagle = [m for m in rows if "eagle" in str(m.get("method", "")).lower()]
-        return (eagle or rows or [None])[0]
-    return None
-
-
-def _provenance(src: Path, metrics_json: str | Path | None) -> dict[str, Any]:
-    """What the model card reports: training run facts and measured τ, where files exist.
-
-    Looks in the drafter directory and its parent (the recipe's ``output_dir``) for the
-    recipe's ``training_metrics.json`` and for any evaluation results JSON (a file holding
-    ``acceptance_length``), unless ``metrics_json`` names the evaluation file.
-    """
-    info: dict[str, Any] = {"source": str(src)}
-    places = [src, src.parent]
-    for place in places:
-        training = _read_json(place / "training_metrics.json")
-        if isinstance(training, dict):
-            config = training.get("config") or {}
-            info["training"] = {
-                "target": config.get("target"),
-                "data": training.get("data"),
-                "steps": training.get("steps"),
-                "train_seconds": training.get("train_seconds"),
-                "train_samples": training.get("train_samples"),
-                "final_validation": training.get("final_validation"),
-            }
-            break
-    candidates = [Path(metrics_json)] if metrics_json else []
-    if not metrics_json:
-        skip = {CONFIG_FILE, INFO_FILE, "training_metrics.json", "trainer_state.json"}
-        for place in places:
-            # Results files are small; a size cap keeps a stray big JSON from being parsed.
-            candidates += [
-                p
-                for p in sorted(place.glob("*.json"))
-                if p.name not in skip and p.stat().st_size < 50 * 2**20
-            ]
-    for path in candidates:
-        result = _eval_result(_read_json(path))
-        if result is not None:
-            keep = (
-                "method",
-                "k",
-                "temperature",
-                "num_prompts",
-                "acceptance_length",
-                "acceptance_length_per_draft",
-                "acceptance_rate_per_position",
-                "speedup",
-                "tokens_per_second",
-                "baseline_tokens_per_second",
-                "identical_to_target",
-            )
-            info["evaluation"] = {k: result.get(k) for k in keep if k in result}
-            info["evaluation"]["file"] = str(path)
-            break
-    if metrics_json and "evaluation" not in info:
-        raise ExportError(f"{metrics_json}: no acceptance_length found (not an evaluation JSON)")
-    return info
-
-
-# --------------------------------------------------------------------------------------------
-# config.json of each format
-# --------------------------------------------------------------------------------------------
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _llama_fields(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """A one-decoder-layer Llama config dict with the drafter's shapes.
-
-    RoPE (and the dtype) is written both ways: ``rope_theta``/``rope_scaling`` (transformers v4,
-    which SGLang and older vLLM read) and ``rope_parameters`` (transformers v5); v5 accepts both.
-    """
-    return {
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "rope_parameters": cfg.rope_parameters(),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        # transformers v5 reads "dtype", v4 (SGLang, older vLLM) "torch_dtype".
-        "dtype": _dtype_name(dtype),
-        "torch_dtype": _dtype_name(dtype),
-    }
-
-
-def _verifier_architectures(name_or_path: str) -> list[str]:
-    """``architectures`` of a local verifier directory; Llama when it cannot be read."""
-    config = _read_json(Path(os.path.expanduser(name_or_path)) / CONFIG_FILE)
-    if isinstance(config, dict) and config.get("architectures"):
-        return list(config["architectures"])
-    return ["LlamaForCausalLM"]
-
-
-def _speculators_config(
-    cfg: EagleConfig,
-    dtype: torch.dtype,
-    verifier_name_or_path: str,
-    verifier_architectures: list[str] | None,
-    speculative_tokens: int,
-) -> dict[str, Any]:
-    """``config.json`` of the speculators format (Eagle3SpeculatorConfig, speculators v0.7)."""
-    return {
-        "architectures": [ARCH_SPECULATORS],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": _llama_fields(cfg, dtype),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.hidden_size,
-        # HF hidden_states indices == vLLM/speculators ids (module docstring).
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
-        "norm_before_residual": cfg.norm_before_residual,
-        # Variants our drafter does not implement, written so no reader guesses.
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": verifier_name_or_path,
-                "architectures": verifier_architectures
-                or _verifier_architectures(verifier_name_or_path),
-            },
-        },
-        "dtype": _dtype_name(dtype),
-        "torch_dtype": _dtype_name(dtype),
-    }
-
-
-def _eagle3_config(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of the SGLang / original EAGLE-3 layout."""
-    if cfg.norm_before_residual:
-        # SGLang's LlamaDecoderLayer (llama_eagle3.py) always keeps the un-normed feature as the
-        # residual; it has no switch, so a drafter trained the other way would run wrongly.
-        raise ExportError(
-            "the eagle3 (SGLang) format has no norm_before_residual=True variant; export this "
-            "drafter with format 'speculators' (vLLM) instead"
-        )
-    out = {
-        "architectures": [ARCH_EAGLE3],
-        **_llama_fields(cfg, dtype),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.hidden_size,
-    }
-    if list(cfg.aux_layers) != _default_aux(cfg.target_num_layers):
-        # SGLang reads these as "output of layer i" and adds 1 (module docstring).
-        out["eagle_config"] = {
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers],
-            "use_aux_hidden_state": True,
-        }
-    return out
-
-
-def _eagle1_config(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """``config.json`` of vLLM's EAGLE-1 layout (``EagleLlamaForCausalLM``)."""
-    return {"architectures": [ARCH_EAGLE1], **_llama_fields(cfg, dtype)}
-
-
-# --------------------------------------------------------------------------------------------
-# Model card
-# --------------------------------------------------------------------------------------------
-
-_TITLES = {
-    "speculators": "EAGLE-3 drafter (vLLM / speculators format)",
-    "eagle3": "EAGLE-3 drafter (SGLang / original EAGLE-3 format)",
-    "eagle": "EAGLE-1 drafter (vLLM `eagle` format)",
-}
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value) + "]"
-    return "-" if value is None else str(value)
-
-
-def _usage(fmt: str, target: str, k: int) -> list[str]:
-    if fmt == "speculators":
-        return [
-            "```bash",
-            "# the verifier (target) is read from config.json",
-            "vllm serve <this directory>",
-            "```",
-            "```python",
-            "from vllm import LLM",
-            f'llm = LLM(model="{target}", speculative_config={{"method": "eagle3", '
-            f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
-            "```",
-        ]
-    if fmt == "eagle3":
-        return [
-            "```bash",
-            f"python -m sglang.launch_server --model-path {target} \\",
-            "    --speculative-algorithm EAGLE3 --speculative-draft-model-path <this directory> \\",
-            f"    --speculative-num-steps {k} --speculative-eagle-topk 1 "
-            f"--speculative-num-draft-tokens {k + 1}",
-            "```",
-        ]
-    return [
-        "```python",
-        "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"method": "eagle", '
-        f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
-        "```",
-    ]
-
-
-def _model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k: int) -> str:
-    """README.md: what the drafter is for, how it was trained, τ if measured, how to serve."""
-    training = info.get("training") or {}
-    evaluation = info.get("evaluation")
-    if evaluation:
-        tau = (
-            f"{_fmt(evaluation.get('acceptance_length'))} (k = {_fmt(evaluation.get('k'))}, "
-            f"{_fmt(evaluation.get('num_prompts'))} prompts, temperature "
-            f"{_fmt(evaluation.get('temperature'))}; from `{Path(evaluation['file']).name}`)"
-        )
-    else:
-        tau = "not measured"
-    aux = "-"
-    if cfg.version == 3:
-        aux = (
-            f"{cfg.aux_layers} as HF hidden_states indices (input to layer i) = vLLM "
-            f"`eagle_aux_hidden_state_layer_ids`; outputs of layers "
-            f"{[i - 1 for i in cfg.aux_layers]} (SGLang/SpecForge numbering)"
-        )
-    rows = [
-        ("target", f"`{target}`"),
-        ("training data", _fmt(training.get("data"))),
-        ("training steps", _fmt(training.get("steps"))),
-        ("EAGLE version", str(cfg.version)),
-        ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens"),
-        ("fused target layers", aux),
-        ("norm_before_residual", str(cfg.norm_before_residual) if cfg.version == 3 else "-"),
-        ("τ (tokens per target forward)", tau),
-    ]
-    if evaluation:
-        rows += [
-            ("acceptance per position α_i", _fmt(evaluation.get("acceptance_rate_per_position"))),
-            ("speedup over plain decoding", _fmt(evaluation.get("speedup"))),
-        ]
-    lines = [
-        "---",
-        "tags: [speculative-decoding, eagle, draftsmith]",
-        "---",
-        "",
-        f"# {_TITLES[fmt]}",
-        "",
-        f"A draft head trained by draftsmith for **{target}**. The target verifies every "
-        "proposed token, so outputs are the target's own (greedy) or follow its distribution "
-        "(sampling). It reads the target's hidden states and shares the target's token "
-        "embedding" + (" and output head" if cfg.version == 1 else "") + ", so it only works "
-        "with that target.",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {a} | {b} |" for a, b in rows],
-        "",
-        "τ as defined in draftsmith's docs/metrics.md: tokens emitted per target forward, prefill "
-        "and bonus token included (plain decoding = 1).",
-        "",
-        "## Usage",
-        "",
-        *_usage(fmt, target, k),
-        "",
-    ]
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -577,7 +255,7 @@ def _export(
         raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     want = _resolve_dtype(dtype, state)
     config = make_config(cfg, want)
-    info = _provenance(src, metrics_json)
+    info = provenance(src, metrics_json)
     target = target_name or (info.get("training") or {}).get("target") or "the target model"
 
     tensors: dict[str, torch.Tensor] = {}
@@ -591,19 +269,19 @@ def _export(
             value = value.to(want)
         tensors[_to_export(name, fmt)] = value.contiguous()
 
-    check_finite(tensors, f"{src / WEIGHTS_FILE} (as {_dtype_name(want)})")
+    check_finite(tensors, f"{src / WEIGHTS_FILE} (as {dtype_name(want)})")
     # Weights plus the small JSON/README files.
     with staged_dir(out, overwrite=overwrite, need_bytes=tensor_bytes(tensors) + (1 << 20)) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json_text(config, indent=2) + "\n")
-        provenance = {
+        export_info = {
             "format": fmt,
             "drafter_config": cfg.to_dict(),
-            "dtype": _dtype_name(want),
+            "dtype": dtype_name(want),
             **info,
         }
-        (tmp / INFO_FILE).write_text(json_text(provenance, indent=2, default=str) + "\n")
-        (tmp / "README.md").write_text(_model_card(fmt, cfg, info, target, speculative_tokens))
+        (tmp / INFO_FILE).write_text(json_text(export_info, indent=2, default=str) + "\n")
+        (tmp / "README.md").write_text(model_card(fmt, cfg, info, target, speculative_tokens))
         # The export must hold exactly the source's tensors under the new names.
         written = load_file(str(tmp / WEIGHTS_FILE))
         bad = sorted(k for k, v in tensors.items() if not torch.equal(written.get(k, v[:0]), v))
@@ -656,7 +334,7 @@ def export_speculators(
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 3:
             raise ExportError("the speculators format holds EAGLE-3 drafters; use export_eagle")
-        return _speculators_config(
+        return speculators_config(
             cfg, dtype_, verifier_name_or_path, verifier_architectures, speculative_tokens
         )
 
@@ -699,7 +377,7 @@ def export_eagle3(
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 3:
             raise ExportError("the eagle3 format holds EAGLE-3 drafters; use export_eagle")
-        return _eagle3_config(cfg, dtype_)
+        return eagle3_config(cfg, dtype_)
 
     return _export(
         "eagle3",
@@ -735,7 +413,7 @@ def export_eagle(
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 1:
             raise ExportError("the eagle format holds EAGLE-1 drafters; use export_speculators")
-        return _eagle1_config(cfg, dtype_)
+        return eagle1_config(cfg, dtype_)
 
     return _export(
         "eagle",
@@ -753,86 +431,6 @@ def export_eagle(
 # --------------------------------------------------------------------------------------------
 # Reading an export back (round trips)
 # --------------------------------------------------------------------------------------------
-
-
-def export_format(config: dict[str, Any]) -> str:
-    """Which of :data:`FORMATS` a ``config.json`` dict is."""
-    arch = config.get("architectures") or []
-    if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "eagle3":
-            raise ExportError(
-                f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 is "
-                "supported"
-            )
-        return "speculators"
-    if ARCH_EAGLE3 in arch:
-        return "eagle3"
-    if ARCH_EAGLE1 in arch or config.get("model_type") == "eagle":
-        return "eagle"
-    raise ExportError(f"not an EAGLE export: architectures {arch}")
-
-
-def _rope_from_export(layer: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    if "rope_theta" in layer:
-        return float(layer["rope_theta"]), layer.get("rope_scaling")
-    params = dict(layer.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", 10000.0))
-    return theta, (params if params.get("rope_type", "default") != "default" else None)
-
-
-def _config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> EagleConfig:
-    """Rebuild our :class:`EagleConfig` from an export's ``config.json`` (inverse mapping)."""
-    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
-    n = int(target_config.num_hidden_layers)
-    unsupported = {
-        "num_hidden_layers": (layer.get("num_hidden_layers", 1), 1),
-        "attention_bias": (layer.get("attention_bias", False), False),
-        "mlp_bias": (layer.get("mlp_bias", False), False),
-        "norm_before_fc": (raw.get("norm_before_fc", False), False),
-        "fc_norm": (raw.get("fc_norm", False), False),
-        "norm_output": (raw.get("norm_output", False), False),
-        "target_hidden_size": (
-            raw.get("target_hidden_size", layer["hidden_size"]),
-            layer["hidden_size"],
-        ),
-    }
-    bad = [f"{k} = {got!r}" for k, (got, ok) in unsupported.items() if got != ok]
-    if bad:
-        raise ExportError(f"export uses variants our EagleDrafter does not implement: {bad}")
-    version = 1 if fmt == "eagle" else 3
-    aux: list[int] = []
-    norm_before_residual = False
-    if fmt == "speculators":
-        if "norm_before_residual" not in raw:
-            # vLLM defaults a missing one to True, speculators to False: refuse to guess.
-            raise ExportError("speculators config lacks norm_before_residual")
-        norm_before_residual = bool(raw["norm_before_residual"])
-        aux = list(raw.get("eagle_aux_hidden_state_layer_ids") or _default_aux(n))
-    elif fmt == "eagle3":
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        aux = [i + 1 for i in ids] if ids else _default_aux(n)
-        if raw.get("norm_before_residual"):
-            raise ExportError("eagle3 (SGLang) exports cannot use norm_before_residual=True")
-    theta, scaling = _rope_from_export(layer)
-    vocab = int(layer["vocab_size"])
-    return EagleConfig(
-        version=version,
-        hidden_size=int(layer["hidden_size"]),
-        intermediate_size=int(layer["intermediate_size"]),
-        num_attention_heads=int(layer["num_attention_heads"]),
-        num_key_value_heads=int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
-        head_dim=int(layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]),
-        rms_norm_eps=float(layer["rms_norm_eps"]),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(layer["max_position_embeddings"]),
-        hidden_act=str(layer.get("hidden_act", "silu")),
-        vocab_size=vocab,
-        draft_vocab_size=int(raw.get("draft_vocab_size") or vocab) if version == 3 else vocab,
-        target_num_layers=n,
-        aux_layers=aux,
-        norm_before_residual=norm_before_residual,
-    )
 
 
 def load_export(
@@ -857,7 +455,7 @@ def load_export(
             raise MissingCheckpointError(f"EAGLE export: {p} not found")
     raw = json.loads((root / CONFIG_FILE).read_text())
     fmt = export_format(raw)
-    cfg = _config_from_export(fmt, raw, target.config)
+    cfg = config_from_export(fmt, raw, target.config)
     if cfg.hidden_size != target.config.hidden_size or cfg.vocab_size != target.config.vocab_size:
         raise ExportError(
             f"{root / CONFIG_FILE}: hidden/vocab size {cfg.hidden_size}/{cfg.vocab_size} do not "
@@ -895,6 +493,7 @@ def _main_export_eagle(argv: list[str]) -> int:
         prog="draftsmith export",
         description="Write a trained EAGLE drafter for serving: speculators (vLLM, EAGLE-3), "
         "eagle3 (SGLang / original EAGLE-3), eagle (vLLM, EAGLE-1).",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from draftsmith.train.config import HelpFormatter
 from draftsmith.train.errors import RunError, cli_main
 from draftsmith.train.export.command import (
     ExportError,
@@ -281,6 +282,7 @@ def _main_export_hf(argv: list[str]) -> int:
         prog="draftsmith export --format hf",
         description="Write a trained draft LM as a save_pretrained directory (model, tokenizer, "
         "generation config, model card) for HF assisted generation and vLLM draft models.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--src", required=True, help="the distill recipe's output_dir or draft/")
     parser.add_argument("--out", required=True, help="destination directory")

@@ -19,7 +19,7 @@ Conventions:
 * All arithmetic is in float32 whatever the logits' dtype (bf16 softmaxes over 49k tokens lose
   the small probabilities the KLs weigh).
 
-Which positions to supervise: ``loss_mask[t] == 1`` (``train/data/tokenize.py``) means token ``t`` is a
+Which positions to supervise: ``loss_mask[t] == 1`` (``train/data/chat.py``) means token ``t`` is a
 training target, predicted by the logits at position ``t − 1``. :func:`prediction_mask` does that
 shift once, so callers never slice logits by hand.
 """

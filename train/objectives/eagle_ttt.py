@@ -11,8 +11,9 @@ The target's distribution comes from the target's own head applied to its final 
 state (HF ``hidden_states[N]``), which both losses take from ``batch["hidden_states"][N]``
 (:attr:`draftsmith.heads.eagle.EagleConfig.train_layers` includes N).
 
-Batches are those of :func:`draftsmith.train.data.hidden_states.feature_source` (right-padded):
-``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and ``hidden_states {layer: [B, T, H]}``.
+Batches are those of :func:`draftsmith.train.features.source.feature_source` (right-padded):
+``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and
+``hidden_states {layer: [B, T, H]}``.
 Both functions accept the drafter bare or inside a DDP/accelerate wrapper; every drafter
 parameter is used inside ``drafter(...)`` calls.
 """
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.eagle import EagleCache, _unwrap
+from draftsmith.heads.base import unwrap_model
+from draftsmith.heads.eagle_model import EagleCache
 
 __all__ = [
     "eagle1_loss",
@@ -186,7 +188,7 @@ def eagle1_loss(
     Pass ``noise=0`` for evaluation.
 
     Args:
-        drafter: an EAGLE-1 :class:`~draftsmith.heads.eagle.EagleDrafter` (or a wrapper).
+        drafter: an EAGLE-1 :class:`~draftsmith.heads.eagle_model.EagleDrafter` (or a wrapper).
         batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and
             ``hidden_states[N]`` ``[B, T, H]``.
         target_lm_head: the target's head (default: the one the drafter shares).
@@ -201,7 +203,7 @@ def eagle1_loss(
         drafter's distribution equals the target's), ``acc`` (draft argmax == target argmax),
         ``tokens`` (supervised count).
     """
-    core = _unwrap(drafter)
+    core = unwrap_model(drafter)
     cfg = core.config
     if cfg.version != 1:
         raise ValueError("eagle1_loss is for EAGLE-1 drafters; use eagle3_ttt_loss for EAGLE-3")
@@ -269,7 +271,7 @@ def eagle3_ttt_loss(
     (``softmax(target_logits[..., t2d])``), averaged over supervised positions.
 
     Args:
-        drafter: an EAGLE-3 :class:`~draftsmith.heads.eagle.EagleDrafter` (or a wrapper).
+        drafter: an EAGLE-3 :class:`~draftsmith.heads.eagle_model.EagleDrafter` (or a wrapper).
         batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]`` and
             ``hidden_states`` holding the aux layers and N.
         target_lm_head: the target's head (its distribution is the label).
@@ -281,10 +283,11 @@ def eagle3_ttt_loss(
 
     Returns:
         ``(loss, metrics)``; metrics (detached 0-dim tensors): ``loss``, ``loss_{j}``,
-        ``kl_{j}`` (loss_j minus the target's entropy, 0 at a perfect match), ``acc_{j}`` (draft argmax mapped to target ids == target argmax over the full vocab),
-        ``tokens_{j}`` for j in 0..steps-1.
+        ``kl_{j}`` (loss_j minus the target's entropy, 0 at a perfect match), ``acc_{j}``
+        (draft argmax mapped to target ids == target argmax over the full vocab), ``tokens_{j}``
+        for j in 0..steps-1.
     """
-    core = _unwrap(drafter)
+    core = unwrap_model(drafter)
     cfg = core.config
     if cfg.version != 3:
         raise ValueError("eagle3_ttt_loss is for EAGLE-3 drafters; use eagle1_loss for EAGLE-1")

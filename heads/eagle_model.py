@@ -1,0 +1,437 @@
+"""The EAGLE drafter module: :class:`EagleDrafter`, one Llama-style decoder layer and its parts.
+
+The design (EAGLE-1 and EAGLE-3), the position alignment and the config
+(:class:`~draftsmith.heads.eagle.EagleConfig`) are in :mod:`draftsmith.heads.eagle`, beside
+building, saving and loading a drafter; drafting with one is
+:class:`~draftsmith.heads.eagle_proposer.EagleProposer`.
+
+Parameter names follow vllm-project/speculators' Eagle3 layout and vLLM's EAGLE loaders, so an
+export is a rename-free copy:
+
+===============================================  =========================================
+``fc.weight``                                    EAGLE-1 ``[H, 2H]`` over concat(embed, f);
+                                                 EAGLE-3 ``[H, 3H]`` over concat(aux feats)
+``layers.0.self_attn.{q,k,v,o}_proj.weight``     q/k/v take H (EAGLE-1) or 2H (EAGLE-3)
+``layers.0.mlp.{gate,up,down}_proj.weight``      Llama MLP
+``layers.0.input_layernorm.weight``              EAGLE-3 only (EAGLE-1's first layer has none)
+``layers.0.hidden_norm.weight``                  EAGLE-3 only
+``layers.0.post_attention_layernorm.weight``     both
+``norm.weight``, ``lm_head.weight``              EAGLE-3 only (``lm_head``: ``[V_draft, H]``)
+``d2t`` (int64 ``[V_draft]``), ``t2d`` (bool)    EAGLE-3 only buffers (saved)
+===============================================  =========================================
+
+No linear layer has a bias: vLLM's EAGLE-1 Llama model builds ``fc`` with ``bias=False`` and skips
+checkpoint tensors it has no parameter for, so a trained ``fc.bias`` (the original SafeAILab
+EAGLE-1 code has one) would be dropped silently at serving time.
+
+The target's token embedding (both versions) and, for EAGLE-1, its lm_head are *shared and
+frozen*: they are held in a plain attribute (``drafter.shared``, not a submodule), so they are not
+parameters of the drafter, not in its ``state_dict`` and not moved by ``drafter.to()`` -- they stay
+wherever the target lives. Pass them in (``build_drafter``/``load_drafter`` take them from the
+target).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from draftsmith.heads.base import Features
+
+if TYPE_CHECKING:
+    from draftsmith.heads.eagle import EagleConfig
+
+__all__ = ["EagleCache", "EagleDrafter", "RMSNorm", "SharedTarget", "causal_mask"]
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (computed in float32, like HF's ``LlamaRMSNorm``)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Rotary:
+    """RoPE tables as in the target (HF's rope init functions), kept in float32.
+
+    A plain object, not a module: ``drafter.to(torch.bfloat16)`` must not round the inverse
+    frequencies (long positions would drift from the target's RoPE).
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rope = LlamaRotaryEmbedding(config.llama_config())
+        if rope.rope_type == "dynamic" or "longrope" in rope.rope_type:
+            raise ValueError(f"rope_type {rope.rope_type!r} (position-dependent) is not supported")
+        self.inv_freq = rope.inv_freq.detach().float().clone()
+        self.scaling = float(rope.attention_scaling)
+
+    def __call__(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of shape ``[B, 1, T, head_dim]``."""
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.scaling).to(dtype)[:, None]
+        return cos, sin
+
+
+class EagleCache:
+    """The drafter's key/value cache (one decoder layer): keys/values ``[B, kv_heads, S, D]``.
+
+    Keys are stored after RoPE, so entries can be cropped or reordered freely.
+    """
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[-2])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add new entries; returns all keys and values (old then new)."""
+        if self.keys is None:
+            self.keys, self.values = k, v
+        else:
+            self.keys = torch.cat([self.keys, k], dim=-2)
+            self.values = torch.cat([self.values, v], dim=-2)
+        return self.keys, self.values
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` entries."""
+        if self.keys is not None and length < len(self):
+            self.keys = self.keys[..., :length, :]
+            self.values = self.values[..., :length, :]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep the entries at ``index`` (``[n]`` long), in that order."""
+        if self.keys is not None:
+            self.keys = self.keys.index_select(-2, index)
+            self.values = self.values.index_select(-2, index)
+
+
+def causal_mask(new: int, past: int, device: torch.device | None = None) -> torch.Tensor:
+    """Bool mask ``[1, 1, new, past + new]``: every cached key plus the causal new keys.
+
+    True = may attend (SDPA's boolean convention).
+    """
+    old = torch.ones(new, past, dtype=torch.bool, device=device)
+    tri = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return torch.cat([old, tri], dim=1)[None, None]
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: EagleConfig, in_features: int) -> None:
+        super().__init__()
+        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(in_features, h * d, bias=False)
+        self.k_proj = nn.Linear(in_features, kv * d, bias=False)
+        self.v_proj = nn.Linear(in_features, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: EagleCache | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class _MLP(nn.Module):
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _DecoderLayer(nn.Module):
+    """Llama decoder layer, EAGLE-style.
+
+    EAGLE-1: the input is ``fc(concat(embed, f))`` and there is no input norm (SafeAILab EAGLE
+    skips ``input_layernorm`` on its first layer; vLLM replaces it with Identity).
+    EAGLE-3: attention reads ``concat(input_layernorm(embed), hidden_norm(g))`` (2H) where g is
+    the fused feature (or the previous step's output); the residual is g (see
+    ``norm_before_residual``).
+    """
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.v3 = config.version == 3
+        self.norm_before_residual = config.norm_before_residual
+        h = config.hidden_size
+        self.self_attn = _Attention(config, 2 * h if self.v3 else h)
+        self.mlp = _MLP(config)
+        if self.v3:
+            self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: EagleCache | None,
+    ) -> torch.Tensor:
+        if self.v3:
+            if self.norm_before_residual:
+                hidden = self.hidden_norm(hidden)
+                residual, normed = hidden, hidden
+            else:
+                residual, normed = hidden, self.hidden_norm(hidden)
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        else:
+            residual, x = hidden, hidden
+        hidden = residual + self.self_attn(x, rope, mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@dataclass
+class SharedTarget:
+    """Frozen modules borrowed from the target (never parameters of the drafter).
+
+    Attributes:
+        embed_tokens: the target's input embedding (``[V, H]``).
+        lm_head: the target's output head; used by EAGLE-1 (None for EAGLE-3).
+    """
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module | None = None
+
+    def __deepcopy__(self, memo: dict) -> SharedTarget:
+        # Copies of a drafter (EMA, snapshots) keep sharing the target, never duplicate it.
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# The drafter module
+# --------------------------------------------------------------------------------------------
+
+
+class EagleDrafter(nn.Module):
+    """EAGLE-1 / EAGLE-3 drafter: fc + one Llama-style decoder layer (+ EAGLE-3's norm and head).
+
+    Args:
+        config: shapes and version.
+        embed_tokens: the target's input embedding (shared, frozen; see the module docstring).
+        lm_head: the target's output head, required for EAGLE-1 (shared, frozen).
+    """
+
+    def __init__(
+        self, config: EagleConfig, embed_tokens: nn.Module, lm_head: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        if config.version == 1 and lm_head is None:
+            raise ValueError("EAGLE-1 needs the target's lm_head (pass lm_head=...)")
+        self.config = config
+        h = config.hidden_size
+        n_in = 3 * h if config.version == 3 else 2 * h
+        self.fc = nn.Linear(n_in, h, bias=False)
+        self.layers = nn.ModuleList([_DecoderLayer(config)])
+        if config.version == 3:
+            self.norm = RMSNorm(h, config.rms_norm_eps)
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[: config.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
+        # Plain attribute (not a submodule): kept out of parameters() and state_dict().
+        self.shared = SharedTarget(embed_tokens, lm_head if config.version == 1 else None)
+        self._rope = _Rotary(config)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target embedding of ``ids`` ``[B, T]`` -> ``[B, T, H]`` in the drafter's dtype."""
+        emb = self.shared.embed_tokens
+        with torch.no_grad():
+            return emb(ids.to(emb.weight.device)).to(device=self.device, dtype=self.dtype)
+
+    def feature_tensor(self, features: Features) -> torch.Tensor:
+        """The drafter's feature input from target hidden states.
+
+        Args:
+            features: ``{layer: [B, T, H]}`` holding at least :attr:`EagleConfig.feature_layers`.
+
+        Returns:
+            EAGLE-1: ``features[N]`` ``[B, T, H]``; EAGLE-3: the 3 feature layers concatenated
+            in ``feature_layers`` order, ``[B, T, 3H]`` (``fc`` fuses them inside :meth:`forward`).
+        """
+        missing = [i for i in self.config.feature_layers if i not in features]
+        if missing:
+            raise KeyError(
+                f"features lack layer(s) {missing}; the drafter needs "
+                f"{list(self.config.feature_layers)} (have {sorted(features)})"
+            )
+        parts = [features[i] for i in self.config.feature_layers]
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        features: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: EagleCache | None = None,
+        return_logits: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One drafter pass over T positions (training and drafting alike).
+
+        Args:
+            inputs_embeds: ``[B, T, H]`` embeddings of the tokens one step ahead (x_{t+1}).
+            features: ``[B, T, F]``: EAGLE-3 accepts target aux features (F = 3H, fused by
+                ``fc``) or the drafter's own previous outputs (F = H, used as they are);
+                EAGLE-1 takes F = H (target final features or its own predictions).
+            position_ids: ``[B, T]`` RoPE positions (position t for the input pairing f_t with
+                x_{t+1}).
+            attention_mask: bool ``[B or 1, 1, T, len(cache) + T]`` over (cached keys, new keys),
+                True = attend. None: all cached keys plus causal over the new ones.
+            cache: if given, the new keys/values are appended to it (in place) and attention
+                covers the cached entries too.
+            return_logits: also compute :meth:`logits` of the output (keeps every parameter
+                use inside ``forward``, which DDP wrappers prefer).
+
+        Returns:
+            ``(hidden [B, T, H], logits [B, T, V_draft] or None)``. ``hidden`` is pre-norm: it
+            is the next step's feature input.
+        """
+        h = self.config.hidden_size
+        features = features.to(self.dtype)
+        inputs_embeds = inputs_embeds.to(self.dtype)
+        if self.config.version == 3:
+            if features.shape[-1] == 3 * h:
+                hidden = self.fc(features)
+            elif features.shape[-1] == h:
+                hidden = features
+            else:
+                raise ValueError(
+                    f"EAGLE-3 features must have {3 * h} (target aux) or {h} (own output) "
+                    f"channels, got {features.shape[-1]}"
+                )
+        else:
+            if features.shape[-1] != h:
+                raise ValueError(
+                    f"EAGLE-1 features must have {h} channels, got {features.shape[-1]}"
+                )
+            hidden = self.fc(torch.cat([inputs_embeds, features], dim=-1))
+        t = hidden.shape[1]
+        past = 0 if cache is None else len(cache)
+        if attention_mask is None:
+            attention_mask = causal_mask(t, past, hidden.device)
+        rope = self._rope(position_ids.to(hidden.device), hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(inputs_embeds, hidden, rope, attention_mask, cache)
+        return hidden, (self.logits(hidden) if return_logits else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits of drafter outputs.
+
+        EAGLE-3: ``lm_head(norm(hidden))`` over the draft vocabulary ``[..., V_draft]``.
+        EAGLE-1: the target's head applied to the predicted feature directly (the feature it
+        imitates is already the target's final *normed* output), ``[..., V]``.
+        """
+        if self.config.version == 3:
+            return self.lm_head(self.norm(hidden))
+        head = self.shared.lm_head
+        return head(hidden.to(device=head.weight.device, dtype=head.weight.dtype))
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids to target ids (``i + d2t[i]``; identity for EAGLE-1)."""
+        if self.config.version == 1:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[..., V_draft]`` spread over the target vocab ``[..., V]``.
+
+        Tokens outside the draft vocab get ``-inf`` (probability 0), so ``choose`` and
+        ``logits_to_probs`` give the draft distribution in target ids. Identity for EAGLE-1.
+        """
+        if self.config.version == 1:
+            return draft_logits
+        out = draft_logits.new_full(
+            (*draft_logits.shape[:-1], self.config.vocab_size), float("-inf")
+        )
+        index = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        out[..., index] = draft_logits
+        return out
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install EAGLE-3's vocab maps (see :func:`draftsmith.train.data.vocab.draft_vocab`)."""
+        if self.config.version != 3:
+            raise ValueError("EAGLE-1 predicts over the full target vocabulary; no d2t/t2d")
+        _check_vocab_maps(d2t, t2d, self.config)
+        self.d2t.copy_(d2t.to(self.d2t.device))
+        self.t2d.copy_(t2d.to(self.t2d.device))
+
+
+def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: EagleConfig) -> None:
+    if tuple(d2t.shape) != (cfg.draft_vocab_size,):
+        raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({cfg.draft_vocab_size},)")
+    if tuple(t2d.shape) != (cfg.vocab_size,):
+        raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({cfg.vocab_size},)")
+    chosen = torch.arange(cfg.draft_vocab_size) + d2t.cpu().long()
+    if not torch.equal(chosen, torch.nonzero(t2d.cpu()).flatten()):
+        raise ValueError(
+            "d2t and t2d disagree: arange(N) + d2t must list the target ids where t2d is True, "
+            "in increasing order"
+        )

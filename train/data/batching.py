@@ -1,0 +1,106 @@
+"""Generic token batching used by every recipe: tokenized samples as tensors, right-padding.
+
+Distillation trains on tokens alone; the feature-level recipes (EAGLE, Medusa) batch the same
+samples with the target's hidden states added (:mod:`draftsmith.train.features.source`), so one
+collate pads both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from draftsmith.train.features.cache_format import CacheError
+
+__all__ = ["Collate", "TokenDataset", "collate_hidden_states"]
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Tokenized samples as tensors, the online counterpart of
+    :class:`~draftsmith.train.features.cache_read.HiddenStateCache`.
+
+    Item ``i`` is ``{"input_ids": [T] long, "loss_mask": [T] long, "id": str, "index": i}``.
+    """
+
+    def __init__(self, data: Any, max_length: int | None = None):
+        """Args:
+        data: a ``datasets.Dataset`` or a sequence of mappings with ``input_ids``,
+            ``loss_mask`` and optionally ``id``.
+        max_length: truncate samples to this many tokens.
+        """
+        self.data = data
+        self.max_length = max_length
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.data[int(i)]
+        ids = torch.as_tensor(row["input_ids"], dtype=torch.long)[: self.max_length]
+        mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)[: self.max_length]
+        if ids.shape != mask.shape:
+            raise CacheError(f"sample {i}: {ids.numel()} input_ids but {mask.numel()} loss_mask")
+        sid = row.get("id") if isinstance(row, Mapping) else None
+        return {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "id": str(i if sid is None else sid),
+            "index": int(i),
+        }
+
+
+def collate_hidden_states(
+    samples: Sequence[Mapping[str, Any]], pad_token_id: int = 0
+) -> dict[str, Any]:
+    """Right-pad samples into a batch.
+
+    Args:
+        samples: items of :class:`TokenDataset` or
+            :class:`~draftsmith.train.features.cache_read.HiddenStateCache`.
+        pad_token_id: id written into padded ``input_ids`` positions (masked anyway).
+
+    Returns:
+        ``input_ids [B, T]`` long, ``attention_mask [B, T]`` long (1 = real token),
+        ``loss_mask [B, T]`` long (0 in padding), ``hidden_states {layer: [B, T, H]}`` (zeros in
+        padding; only if the samples carry them), ``ids`` list[str], ``index [B]`` long.
+    """
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    b, t = len(samples), max(lengths)
+    input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, t), dtype=torch.long)
+    loss_mask = torch.zeros((b, t), dtype=torch.long)
+    for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+        input_ids[i, :n] = s["input_ids"]
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = s["loss_mask"]
+    batch: dict[str, Any] = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "ids": [str(s.get("id", "")) for s in samples],
+        "index": torch.tensor([int(s.get("index", -1)) for s in samples], dtype=torch.long),
+    }
+    if "hidden_states" in samples[0]:
+        hidden = {}
+        for layer, first in samples[0]["hidden_states"].items():
+            out = first.new_zeros((b, t, first.shape[-1]))
+            for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
+                out[i, :n] = s["hidden_states"][layer]
+            hidden[layer] = out
+        batch["hidden_states"] = hidden
+    return batch
+
+
+@dataclass
+class Collate:
+    """Picklable collate (DataLoader workers pickle it under spawn)."""
+
+    pad_token_id: int = 0
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return collate_hidden_states(samples, self.pad_token_id)

@@ -1,0 +1,180 @@
+"""The ``draftsmith data cache`` command: load the target and data, then build the cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.train.config import cfg_field
+from draftsmith.train.core.dist import process_state
+from draftsmith.train.data.vocab import load_token_data
+from draftsmith.train.errors import cli_main
+from draftsmith.train.features.cache_format import DTYPES, CacheError
+from draftsmith.train.features.cache_write import build_cache
+from draftsmith.train.features.source import default_layers
+
+__all__ = ["CacheConfig", "main_cache", "run_cache"]
+
+
+@dataclass
+class CacheConfig:
+    """Settings of ``draftsmith data cache``."""
+
+    data: Path = cfg_field(
+        help="tokenized data: a datasets.save_to_disk dir or JSONL with input_ids/loss_mask"
+    )
+    out: Path = cfg_field(help="cache directory (resumes if it holds a partial cache)")
+    target: str | None = cfg_field(
+        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+    )
+    cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
+    layers: list[int] | None = cfg_field(
+        None, help="feature layers (0 = embeddings, num_layers = final normed output)"
+    )
+    preset: str = cfg_field(
+        "eagle3",
+        help="layers when --layers is not given: eagle3 = [2, n/2, n-3, n], eagle1/medusa = [n]",
+        choices=["eagle3", "eagle1", "medusa"],
+    )
+    dtype: str = cfg_field("bf16", help="storage dtype", choices=list(DTYPES))
+    target_dtype: str = cfg_field(
+        "auto",
+        help="dtype the target computes in (auto: fp32 on CPU, bf16 on GPU)",
+        choices=["auto", *DTYPES],
+    )
+    device_map: str | None = cfg_field(
+        None,
+        help="model parallelism for targets larger than one device (auto, balanced, "
+        "sequential); passed to from_pretrained",
+    )
+    batch_tokens: int = cfg_field(8192, help="most padded tokens (batch × longest) per forward")
+    max_batch_size: int = cfg_field(64, help="most samples per forward")
+    shard_mb: float = cfg_field(512.0, help="shard size in MiB")
+    max_length: int | None = cfg_field(None, help="truncate samples to this many tokens")
+    limit: int | None = cfg_field(None, help="cache the first N samples only")
+    draft_vocab_size: int | None = cfg_field(
+        None, help="also store EAGLE-3 d2t/t2d for this draft vocab size (EOS always included)"
+    )
+    template_fingerprint: str | None = cfg_field(
+        None, help="chat-template fingerprint to record (default: computed from the tokenizer)"
+    )
+    overwrite: bool = cfg_field(False, help="replace a cache built with other data/settings")
+    threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
+    progress: bool = cfg_field(True, help="show the progress bar")
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        for name in ("batch_tokens", "max_batch_size", "max_length", "limit", "threads"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                problems.append((name, f"must be >= 1, got {v}"))
+        if self.shard_mb <= 0:
+            problems.append(("shard_mb", f"must be > 0, got {self.shard_mb}"))
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            problems.append(("draft_vocab_size", f"must be >= 1, got {self.draft_vocab_size}"))
+        if self.layers is not None and (not self.layers or min(self.layers) < 0):
+            problems.append(("layers", f"must be one or more indices >= 0, got {self.layers}"))
+        if self.device_map not in (None, *_DEVICE_MAPS):
+            problems.append(("device_map", f"must be one of {list(_DEVICE_MAPS)} or unset"))
+        return problems
+
+
+# What from_pretrained accepts as a named device_map.
+_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def main_cache(argv: list[str] | None = None) -> int:
+    """CLI entry point for ``draftsmith data cache`` (run under ``accelerate launch`` for ranks).
+
+    Args:
+        argv: Arguments without the program/subcommand name; ``None`` means ``sys.argv[1:]``.
+
+    Returns:
+        Exit code: 0 on success; 2 on a config, data or cache error (missing or malformed data,
+        layers outside the target, a draft vocab larger than the vocab, a directory holding
+        another cache); 1 when the target cannot be loaded, another build holds the directory,
+        or the disk is full.
+    """
+    return cli_main(_main_cache, argv)
+
+
+def _main_cache(argv: list[str]) -> int:
+    from draftsmith.train.config import parse_config
+
+    cfg = parse_config(
+        CacheConfig,
+        argv,
+        prog="draftsmith data cache",
+        description="Run the frozen target over tokenized data and cache the hidden states "
+        "drafters train on (resumable; one slice per accelerate process).",
+    )
+    summary = run_cache(cfg)
+    if summary.get("is_main_process", True):
+        rate = summary["tokens_per_s"]
+        print(
+            f"{summary['out']}: {summary['num_samples']} samples, {summary['num_tokens']} tokens, "
+            f"{summary['num_shards']} shards ({len(summary['written'])} written, "
+            f"{len(summary['skipped'])} already done by this rank) in {summary['seconds']:.1f}s"
+            + (f", {rate:.0f} tokens/s" if rate else "")
+        )
+    return 0
+
+
+def run_cache(cfg: CacheConfig) -> dict[str, Any]:
+    """Load the target and data a :class:`CacheConfig` names and call :func:`build_cache`."""
+    from draftsmith.train.data.chat import template_fingerprint
+    from draftsmith.train.target.load import load_target
+
+    state = process_state()
+    if cfg.device_map is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise CacheError(
+            f"device_map={cfg.device_map!r} spreads the target over every visible device, so "
+            "run one process per machine (e.g. `accelerate launch --num_processes <machines>` "
+            "on several machines, or plain `draftsmith data cache` on one)"
+        )
+    # The data first: a wrong path fails before the (slow) target load.
+    data = load_token_data(cfg.data)
+    if cfg.limit is not None:
+        data = data.select(range(min(cfg.limit, len(data))))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.target_dtype == "auto":
+        compute = torch.bfloat16 if state.device.type == "cuda" else torch.float32
+    else:
+        compute = DTYPES[cfg.target_dtype]
+    model, tokenizer = load_target(
+        cfg.target,
+        cache_dir=cfg.cache_dir,
+        dtype=compute,
+        device=state.device,
+        device_map=cfg.device_map,
+        quiet=not state.is_main_process,
+    )
+    layers = cfg.layers or default_layers(cfg.preset, int(model.config.num_hidden_layers))
+    eos = []
+    for v in (tokenizer.eos_token_id, model.config.eos_token_id):
+        eos += [v] if isinstance(v, int) else list(v or [])
+    summary = build_cache(
+        model,
+        data,
+        cfg.out,
+        layers,
+        dtype=cfg.dtype,
+        batch_tokens=cfg.batch_tokens,
+        max_batch_size=cfg.max_batch_size,
+        shard_mb=cfg.shard_mb,
+        max_length=cfg.max_length,
+        template_fingerprint=cfg.template_fingerprint or template_fingerprint(tokenizer),
+        target_path=model.config.name_or_path,  # the prepared directory load_target read
+        draft_vocab_size=cfg.draft_vocab_size,
+        always_include=sorted(set(eos)),
+        overwrite=cfg.overwrite,
+        progress=cfg.progress,
+        state=state,
+    )
+    summary["is_main_process"] = state.is_main_process
+    return summary

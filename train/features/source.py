@@ -1,0 +1,452 @@
+"""Target hidden states as drafter training features: identity, computing them, the feature API.
+
+Feature-level drafters (EAGLE-1/3, Medusa) learn from the frozen target's hidden states at the
+layers they declare (see :data:`draftsmith.heads.base.Features` for the index convention: 0 =
+embeddings, i = output of layer i-1, ``num_layers`` = final output after the last norm). A recipe
+gets them in one of two ways, switched by one config field (``hidden_states: online|offline``),
+with identical batches either way (:func:`feature_source`):
+
+- **offline**: :func:`~draftsmith.train.features.cache_write.build_cache` runs the target once over
+  the tokenized data and writes a cache directory;
+  :class:`~draftsmith.train.features.cache_read.HiddenStateCache` reads it (a
+  ``torch.utils.data.Dataset``) after checking its manifest against what the trainer expects
+  (:meth:`~draftsmith.train.features.cache_read.HiddenStateCache.verify`).
+- **online**: :class:`OnlineHiddenStates` runs the target inside the training step on each
+  padded batch (:func:`compute_hidden_states`).
+
+A cache records its target's weights hash (:func:`target_weights_hash`); a trainer passes
+``expect={"target_hash": target_fingerprint(target)}`` to :func:`feature_source`, so a cache
+built from another target of the same shapes is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from draftsmith.heads.base import unwrap_model
+from draftsmith.train.data.batching import Collate, TokenDataset
+from draftsmith.train.data.vocab import iter_token_chunks
+from draftsmith.train.features.cache_format import CacheError
+from draftsmith.train.features.cache_read import HiddenStateCache
+
+__all__ = [
+    "HASH_SCHEME",
+    "FeatureSource",
+    "OnlineHiddenStates",
+    "check_layers",
+    "compute_hidden_states",
+    "dataset_fingerprint",
+    "default_layers",
+    "feature_source",
+    "run_target",
+    "scan_token_data",
+    "target_fingerprint",
+    "target_weights_hash",
+]
+
+# What the weights hash reads of each weight file: name, size, safetensors header and this many
+# evenly spaced chunks. Re-training or re-quantizing changes (nearly) every weight, so sampled
+# bytes catch it while reading ~16 MiB per file instead of the whole checkpoint.
+_HASH_CHUNKS = 16
+_HASH_CHUNK_BYTES = 1 << 20
+HASH_SCHEME = (
+    "sha256 of config.json, and per weight file (*.safetensors, *.bin, *.pt, *.gguf): name, size, "
+    f"safetensors header, {_HASH_CHUNKS} evenly spaced {_HASH_CHUNK_BYTES >> 20} MiB chunks"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Identity of what went into a cache
+# --------------------------------------------------------------------------------------------
+
+
+def default_layers(kind: str, num_layers: int) -> list[int]:
+    """Feature layers a drafter kind reads (:data:`~draftsmith.heads.base.Features` convention).
+
+    EAGLE-3 fuses a low, a middle and a high layer (outputs of layers 1, n/2-1 and n-4, as in
+    SpecForge/vLLM) and trains against the final normed output; EAGLE-1 and Medusa read the
+    final output only.
+
+    Args:
+        kind: ``eagle3``, ``eagle1`` or ``medusa``.
+        num_layers: the target's ``num_hidden_layers``.
+
+    Returns:
+        e.g. ``[2, 15, 27, 30]`` for EAGLE-3 on a 30-layer target.
+    """
+    if kind == "eagle3":
+        return sorted({2, num_layers // 2, num_layers - 3, num_layers})
+    if kind in ("eagle1", "medusa"):
+        return [num_layers]
+    raise ValueError(f"unknown drafter kind {kind!r}; expected eagle3, eagle1 or medusa")
+
+
+def target_weights_hash(path: str | Path) -> str:
+    """A cheap content hash of a Hugging Face model directory (see ``HASH_SCHEME``).
+
+    Covers ``config.json`` and every weight file's name, size, safetensors header (tensor names,
+    dtypes, shapes, offsets) and 16 evenly spaced 1 MiB chunks of its bytes. Any re-training,
+    conversion or quantization changes it; a single hand-edited weight could slip through.
+
+    Args:
+        path: the model directory.
+
+    Returns:
+        Hex sha256 digest.
+
+    Raises:
+        CacheError: If ``path`` has no ``config.json`` or no weight file.
+    """
+    path = Path(path)
+    weights = sorted(
+        p
+        for pattern in ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+        for p in path.glob(pattern)
+        if p.is_file()
+    )
+    if not (path / "config.json").is_file() or not weights:
+        raise CacheError(f"{path} is not a model directory (needs config.json and weight files)")
+    h = hashlib.sha256()
+    h.update(b"config.json\0" + (path / "config.json").read_bytes())
+    for p in weights:
+        size = p.stat().st_size
+        h.update(f"\0{p.name}\0{size}\0".encode())
+        with open(p, "rb") as fh:
+            if p.suffix == ".safetensors":
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(min(n, size)))
+            if size <= _HASH_CHUNKS * _HASH_CHUNK_BYTES:
+                fh.seek(0)
+                h.update(fh.read())
+                continue
+            step = (size - _HASH_CHUNK_BYTES) // (_HASH_CHUNKS - 1)
+            for i in range(_HASH_CHUNKS):
+                fh.seek(i * step)
+                h.update(fh.read(_HASH_CHUNK_BYTES))
+    return h.hexdigest()
+
+
+def target_fingerprint(target: str | Path | torch.nn.Module | None) -> str | None:
+    """The weights hash a cache records for ``target``, for ``expect={"target_hash": ...}``.
+
+    A trainer passes it to :func:`feature_source` (or :meth:`HiddenStateCache.verify`) so that a
+    cache built from another target with the same shapes (another fine-tune, a quantization) is
+    refused instead of silently training the drafter on the wrong features.
+
+    Args:
+        target: the target's model directory, or the loaded model (its ``name_or_path`` -- what
+            ``from_pretrained``/``load_target`` set -- must be a local directory; DDP/FSDP
+            wrappers are looked through).
+
+    Returns:
+        :func:`target_weights_hash` of the directory (the value
+        :func:`~draftsmith.train.features.cache_write.build_cache` records), or None when the target
+        has no local directory (a model built in memory): then there is nothing to compare and
+        the field is not checked.
+    """
+    if target is None:
+        return None
+    if isinstance(target, torch.nn.Module):
+        inner = unwrap_model(target)
+        config = getattr(inner, "config", None)
+        path = getattr(config, "name_or_path", "") or getattr(inner, "name_or_path", "")
+    else:
+        path = target
+    if not path or not Path(path).is_dir():
+        return None
+    return target_weights_hash(path)
+
+
+def dataset_fingerprint(data: Any, max_length: int | None = None) -> str:
+    """Content hash of tokenized data: every sample's ``input_ids`` and ``loss_mask``.
+
+    Independent of the container (``datasets.Dataset`` or list of dicts) and of chunking; the
+    ``id`` column is not included (it does not change any tensor).
+
+    Args:
+        data: see :func:`draftsmith.train.data.vocab.iter_token_chunks`.
+        max_length: if set, samples are hashed as truncated to this many tokens.
+
+    Returns:
+        Hex sha256 digest.
+    """
+    return scan_token_data(data, max_length)[1]
+
+
+def scan_token_data(
+    data: Any, max_length: int | None, vocab_size: int | None = None
+) -> tuple[np.ndarray, str]:
+    """Lengths ``[N]`` (after truncation) and the content fingerprint, in one pass.
+
+    With ``vocab_size``, also refuses token ids the target cannot embed (before any forward).
+    """
+    h_len, h_ids, h_mask = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
+    lengths = []
+    for chunk in iter_token_chunks(data, max_length=max_length):
+        ids, mask, lens = chunk.input_ids, chunk.loss_mask, chunk.lengths
+        if vocab_size is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            pos = int(np.argmax((ids < 0) | (ids >= vocab_size)))
+            sample = chunk.start + int(np.searchsorted(np.cumsum(lens), pos, side="right"))
+            raise CacheError(
+                f"sample {sample}: token id {int(ids[pos])} is outside the target's vocabulary "
+                f"[0, {vocab_size}) -- was the data tokenized for another model?"
+            )
+        bad_mask = (mask != 0) & (mask != 1)
+        if bad_mask.any():
+            pos = int(np.argmax(bad_mask))
+            sample = chunk.start + int(np.searchsorted(np.cumsum(lens), pos, side="right"))
+            raise CacheError(
+                f"sample {sample}: loss_mask value {int(mask[pos])}; values must be 0 or 1"
+            )
+        if lens.size and lens.min() == 0:
+            # A forward over zero tokens fails deep inside the model; name the sample instead.
+            raise CacheError(f"sample {chunk.start + int(np.argmin(lens))}: no tokens")
+        h_len.update(lens.astype("<i8").tobytes())
+        h_ids.update(ids.astype("<i8").tobytes())
+        h_mask.update(mask.astype(np.uint8).tobytes())
+        lengths.append(lens)
+    digest = hashlib.sha256(
+        b"".join(h.digest() for h in (h_len, h_ids, h_mask)) + f"{max_length}".encode()
+    ).hexdigest()
+    return (np.concatenate(lengths) if lengths else np.zeros(0, np.int64)), digest
+
+
+# --------------------------------------------------------------------------------------------
+# Running the target
+# --------------------------------------------------------------------------------------------
+
+
+def _input_device(target: torch.nn.Module) -> torch.device:
+    """Where input ids go: the embedding's device (first device under ``device_map``)."""
+    inner = unwrap_model(target)
+    with contextlib.suppress(AttributeError, NotImplementedError):
+        return inner.get_input_embeddings().weight.device
+    return next(inner.parameters()).device
+
+
+def _forward_kwargs(target: torch.nn.Module) -> dict[str, Any]:
+    # Only the last position's logits: the lm_head over the full vocab would otherwise cost up
+    # to a fifth of a small target's forward and a [B, T, V] tensor nobody reads.
+    params = inspect.signature(type(unwrap_model(target)).forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def run_target(
+    target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, ...]:
+    """All hidden states (``num_layers + 1`` tensors ``[B, T, H]``), in the caller's grad mode."""
+    device = _input_device(target)
+    out = target(
+        input_ids=input_ids.to(device),
+        attention_mask=None if attention_mask is None else attention_mask.to(device),
+        output_hidden_states=True,
+        use_cache=False,
+        **_forward_kwargs(target),
+    )
+    return out.hidden_states
+
+
+def check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
+    """``layers`` as ints, checked against a target of ``num_layers`` layers.
+
+    Raises:
+        CacheError: If no layer is given, one is out of ``0..num_layers``, or one repeats.
+    """
+    layers = [int(x) for x in layers]
+    if not layers:
+        raise CacheError("no layers requested")
+    bad = [x for x in layers if not 0 <= x <= num_layers]
+    if bad:
+        raise CacheError(
+            f"layers {bad} out of range: the target has {num_layers} layers, so valid feature "
+            f"layers are 0..{num_layers} (0 = embeddings, {num_layers} = final normed output)"
+        )
+    if len(set(layers)) != len(layers):
+        raise CacheError(f"layers {layers} has duplicates")
+    return layers
+
+
+def compute_hidden_states(
+    target: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    layers: Sequence[int],
+    *,
+    dtype: torch.dtype | None = None,
+) -> dict[int, torch.Tensor]:
+    """Run the frozen target on a padded batch and return the requested hidden states.
+
+    Runs under ``torch.no_grad()`` rather than ``inference_mode``: inference tensors cannot be
+    saved for backward, and the drafter's first layer saves its input.
+
+    Args:
+        target: the (frozen) causal LM, possibly wrapped by DDP/FSDP or spread by ``device_map``.
+        batch: ``input_ids [B, T]`` and optionally ``attention_mask [B, T]`` (1 = real token,
+            right padding).
+        layers: feature layers (:data:`~draftsmith.heads.base.Features` convention).
+        dtype: cast the results to this dtype (e.g. the cache's storage dtype); default: keep.
+
+    Returns:
+        ``{layer: [B, T, H]}`` on the target's input device; padded positions are zero, as in a
+        collated offline batch.
+    """
+    mask = batch.get("attention_mask")
+    with torch.no_grad():
+        hs = run_target(target, batch["input_ids"], mask)
+        layers = check_layers(layers, len(hs) - 1)
+        keep = None if mask is None else mask.to(hs[0].device).bool().unsqueeze(-1)
+        out = {}
+        for layer in layers:
+            t = hs[layer] if dtype is None else hs[layer].to(dtype)
+            out[layer] = t if keep is None else t.masked_fill(~keep, 0)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The feature API: online and offline alike
+# --------------------------------------------------------------------------------------------
+
+
+class OnlineHiddenStates:
+    """Fill a collated batch's ``hidden_states`` from the frozen target, inside the train step.
+
+    Call it on the batch after moving it to the device (not in DataLoader workers: the target
+    lives on the accelerator, possibly sharded by FSDP).
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        layers: Sequence[int],
+        dtype: torch.dtype | None = None,
+    ):
+        """Args:
+        target: the frozen causal LM (put in eval mode here).
+        layers: feature layers to compute.
+        dtype: cast hidden states to this dtype (match the offline cache's storage dtype to get
+            the same batches from both paths).
+        """
+        self.target = target.eval()
+        self.layers = list(layers)
+        self.dtype = dtype
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Return ``batch`` with ``hidden_states {layer: [B, T, H]}`` added (a new dict)."""
+        hidden = compute_hidden_states(self.target, batch, self.layers, dtype=self.dtype)
+        return {**batch, "hidden_states": hidden}
+
+
+@dataclass
+class FeatureSource:
+    """What a recipe needs to get feature batches, online or offline alike.
+
+    Use::
+
+        src = feature_source(cfg.hidden_states, layers=..., data=tokens, cache=cfg.cache_dir,
+                             target=target, expect={...})
+        loader = DataLoader(src.dataset, batch_size=8, collate_fn=src.collate, shuffle=True)
+        for batch in loader:
+            batch = src.complete(batch, device)   # hidden_states {layer: [B, T, H]} on device
+
+    Attributes:
+        mode: ``online`` or ``offline``.
+        dataset: a map-style dataset of samples.
+        collate: pads samples into a batch
+            (:func:`~draftsmith.train.data.batching.collate_hidden_states`).
+        layers: the feature layers batches carry.
+        target: online only, the frozen target.
+        dtype: hidden-state dtype of completed batches (None: as computed / as stored).
+    """
+
+    mode: str
+    dataset: torch.utils.data.Dataset
+    collate: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
+    layers: list[int]
+    target: torch.nn.Module | None = None
+    dtype: torch.dtype | None = None
+    _online: OnlineHiddenStates | None = field(default=None, repr=False)
+
+    def complete(self, batch: dict[str, Any], device: str | torch.device | None = None) -> dict:
+        """Move the batch's tensors to ``device`` and make sure it carries hidden states.
+
+        Online: the target computes them now. Offline: they came from the cache and are cast to
+        ``dtype`` if one was set.
+        """
+        moved = _to_device(batch, device)
+        if self._online is not None:
+            return self._online(moved)
+        if self.dtype is not None:
+            moved["hidden_states"] = {
+                k: v.to(self.dtype) for k, v in moved["hidden_states"].items()
+            }
+        return moved
+
+
+def feature_source(
+    mode: str,
+    *,
+    layers: Sequence[int],
+    data: Any = None,
+    cache: str | Path | None = None,
+    target: torch.nn.Module | None = None,
+    dtype: torch.dtype | None = None,
+    expect: Mapping[str, Any] | None = None,
+    max_length: int | None = None,
+    pad_token_id: int = 0,
+) -> FeatureSource:
+    """Build the online or offline feature source from one config value.
+
+    Args:
+        mode: ``online`` (needs ``data`` and ``target``) or ``offline`` (needs ``cache``).
+        layers: feature layers the drafter needs (offline: a subset of the cached ones).
+        data: tokenized samples (``input_ids``/``loss_mask``/``id``), online mode.
+        cache: cache directory, offline mode.
+        target: the frozen target, online mode.
+        dtype: hidden-state dtype of completed batches.
+        expect: offline: fields :meth:`HiddenStateCache.verify` checks (``layers`` is always
+            checked).
+        max_length: truncate samples (online; an offline cache keeps what it stored, truncated
+            to this too).
+        pad_token_id: padding id for ``input_ids``.
+
+    Raises:
+        ValueError: If ``mode`` is unknown or its inputs are missing.
+        CacheMismatchError: Offline, if the cache does not match ``expect``/``layers``.
+    """
+    collate = Collate(pad_token_id)
+    if mode == "online":
+        if data is None or target is None:
+            raise ValueError("hidden_states: online needs the tokenized data and the target")
+        online = OnlineHiddenStates(target, layers, dtype)
+        return FeatureSource(
+            "online", TokenDataset(data, max_length), collate, list(layers), target, dtype, online
+        )
+    if mode == "offline":
+        if cache is None:
+            raise ValueError("hidden_states: offline needs the cache directory")
+        ds = HiddenStateCache(cache, layers=layers, max_length=max_length)
+        ds.verify(**{**dict(expect or {}), "layers": list(layers)})
+        return FeatureSource("offline", ds, collate, list(layers), None, dtype)
+    raise ValueError(f"hidden_states must be 'online' or 'offline', got {mode!r}")
+
+
+def _to_device(batch: dict[str, Any], device: str | torch.device | None) -> dict[str, Any]:
+    if device is None:
+        return dict(batch)
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v.to(device, non_blocking=True)
+        elif isinstance(v, dict):
+            out[k] = {kk: vv.to(device, non_blocking=True) for kk, vv in v.items()}
+        else:
+            out[k] = v
+    return out

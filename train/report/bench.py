@@ -1,0 +1,424 @@
+"""The bench's report: evaluate's results per temperature read into one JSON, and its markdown.
+
+:func:`build_report` reads each temperature's evaluate results (every ``--drafter`` of one run,
+sharing one plain baseline), keeps the summaries without the per-prompt entries, recommends a
+chain length per chain drafter (:mod:`.recommend`), lists the trees as measured and joins the
+training curves (:func:`read_training_log`) with the τ measured from each run's drafter.
+:func:`write_outputs` writes ``OUT.json``, ``OUT.md`` (:func:`markdown`) and the plots
+(:func:`~draftsmith.train.report.plots.write_plots`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from draftsmith.train.decoding.metrics import identical_text
+from draftsmith.train.errors import UsageError
+from draftsmith.train.report.plots import write_plots
+from draftsmith.train.report.recommend import load_costs, recommend
+from draftsmith.train.report.text import (
+    fmt_number,
+    is_finite_number,
+    markdown_table,
+)
+from draftsmith.train.runinfo import write_json_atomic
+
+__all__ = [
+    "RESULT_COLUMNS",
+    "build_report",
+    "differs_from_plain",
+    "drafter_family",
+    "markdown",
+    "read_training_log",
+    "recommendation_text",
+    "results_rows",
+    "write_outputs",
+]
+
+
+def read_training_log(path: str | Path) -> dict[str, Any]:
+    """One training run's validation curve, from its ``training_metrics.json``.
+
+    Args:
+        path: a training ``output_dir`` (holding ``training_metrics.json``) or the file itself.
+
+    Returns:
+        ``{"run", "path", "dir", "recipe", "kind", "minutes": [n], "sim_tau": [n], "best"}``,
+        the validations in order (``val/minutes``, ``val/sim_tau``).
+
+    Raises:
+        UsageError: no such file, not JSON, or no validation with both values.
+    """
+    path = Path(path)
+    file = path / "training_metrics.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UsageError(
+            f"training log {path}: no training_metrics.json there (give a training output_dir "
+            "or its training_metrics.json)"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"training log {file}: not JSON ({exc})") from None
+    points = []
+    for entry in (data.get("validation") or []) if isinstance(data, dict) else []:
+        minutes, tau = entry.get("val/minutes"), entry.get("val/sim_tau")
+        if is_finite_number(minutes) and is_finite_number(tau):
+            points.append((float(minutes), float(tau), entry.get("step")))
+    if not points:
+        raise UsageError(
+            f"training log {file}: no validation entries with val/minutes and val/sim_tau"
+        )
+    return {
+        "run": file.parent.name,
+        "path": str(file),
+        "dir": str(file.parent),
+        "recipe": data.get("recipe"),
+        "kind": data.get("kind"),
+        "minutes": [m for m, _, _ in points],
+        "sim_tau": [t for _, t, _ in points],
+        "steps": [step for _, _, step in points],
+        "best": data.get("best"),
+    }
+
+
+def drafter_family(spec: str) -> str:
+    """``chain``, ``tree`` or ``hf`` (transformers' own loop) for a ``--drafter`` spec."""
+    kind = spec.partition("=")[0]
+    if kind.startswith("hf-"):
+        return "hf"
+    return "tree" if kind.endswith("-tree") else "chain"
+
+
+def differs_from_plain(report: dict[str, Any]) -> bool:
+    """Whether a greedy output differs from plain decoding beyond a bf16 near-tie (evaluate's
+    rule): a merge must fail where its shards did."""
+    for entry in report["runs"]:
+        for m in entry["methods"]:
+            if m.get("identical_to_target") is False:
+                ties = m.get("near_ties") or []
+                if m.get("dtype") == "float32" or not all(t.get("near_tie") for t in ties):
+                    return True
+    return False
+
+
+def build_report(
+    runs: list[tuple[float, Path, str]],
+    stem: Path,
+    profile: Path,
+    max_k: int,
+    training: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The bench JSON (without run info) from evaluate's results, one file per temperature.
+
+    Args:
+        runs: ``(temperature, evaluate results JSON, the command that wrote it)``, in run
+            order.
+        stem: the output stem (results files are recorded relative to its folder).
+        profile: the verify-cost profile.
+        max_k: longest chain the recommendation considers.
+        training: :func:`read_training_log` curves.
+    """
+    entries, recs, trees = [], [], []
+    costs_info: dict[str, Any] = {"path": str(profile)}
+    first: dict[str, Any] = {}
+    for t, raw, command in runs:
+        data = json.loads(raw.read_text())
+        first = first or data
+        config = data["config"]
+        methods = data.get("methods", [data])
+        specs = config["drafter"]
+        threads = (data.get("machine") or {}).get("torch_threads") or 1
+        dtype = methods[0].get("dtype", config.get("dtype", "float32"))
+        costs = load_costs(profile, dtype, threads)
+        costs_info.update(dtype=dtype, threads=threads, seconds_per_width=costs)
+        summaries = []
+        for spec, m in zip(specs, methods, strict=True):
+            summary = {key: v for key, v in m.items() if key != "per_prompt"}
+            summary["spec"], summary["family"] = spec, drafter_family(spec)
+            summary["temperature"] = t
+            summaries.append(summary)
+            if summary["family"] == "chain":
+                recs.append({"spec": spec, **recommend(summary, costs, max_k)})
+            elif summary["family"] == "tree":
+                trees.append(
+                    {
+                        "method": m["method"],
+                        "spec": spec,
+                        "temperature": t,
+                        "tree_total_tokens": config.get("tree_total_tokens"),
+                        "tree_topk": config.get("tree_topk"),
+                        # Sampled, EAGLE's and Medusa's proposers draft chains (docs/design.md).
+                        "drafts": "tree" if t == 0 else f"chain of k={m['k']} (sampled)",
+                        **{
+                            key: m.get(key)
+                            for key in (
+                                "acceptance_length",
+                                "speedup",
+                                "speedup_vs_fastest_plain",
+                                "tokens_per_second",
+                                "identical_to_target",
+                            )
+                        },
+                    }
+                )
+        entries.append(
+            {
+                "temperature": t,
+                "results_file": os.path.relpath(raw, stem.parent),
+                "prompts_evaluated": data.get("prompts_evaluated"),
+                "prompts_selected": data.get("prompts_selected"),
+                "machine_load": data.get("machine_load"),
+                "evaluate_command": command,  # evaluate's own `command` is the bench's argv
+                "evaluate_machine": data.get("machine"),
+                "evaluate_config": config,
+                "methods": summaries,
+            }
+        )
+    config = first.get("config", {})
+    return {
+        "bench": {
+            "temperatures": [t for t, _, _ in runs],
+            "drafters": config.get("drafter"),
+            "k": config.get("k"),
+            "max_k": max_k,
+            "dtype": config.get("dtype"),
+            "draft_dtype": config.get("draft_dtype", "same"),
+            "target": config.get("target"),
+            "prompts": config.get("prompts"),
+            "split": config.get("split"),
+            "max_new_tokens": config.get("max_new_tokens"),
+        },
+        "seed": config.get("seed"),
+        "runs": entries,
+        "cost_profile": costs_info,
+        "recommendations": recs,
+        "trees": trees,
+        "training": [_with_measured(tr, entries) for tr in training],
+    }
+
+
+def _with_measured(training: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The training curve plus the measured τ of every drafter benched from that run's dir."""
+    run_dir = Path(training["dir"]).resolve()
+    # `best/` holds the drafter of the best validation, anything else the last one.
+    best_step = (training.get("best") or {}).get("step")
+    at_best = next(
+        (m for m, s in zip(training["minutes"], training["steps"], strict=True) if s == best_step),
+        training["minutes"][-1],
+    )
+    measured = []
+    for entry in entries:
+        for m in entry["methods"]:
+            _, _, path = m["spec"].partition("=")
+            if path and Path(path).resolve().is_relative_to(run_dir):
+                measured.append(
+                    {
+                        "method": m["method"],
+                        "temperature": entry["temperature"],
+                        "k": m["k"],
+                        "acceptance_length": m["acceptance_length"],
+                        "training_minutes": at_best
+                        if "best" in Path(path).parts
+                        else training["minutes"][-1],
+                    }
+                )
+    return {**training, "measured": measured}
+
+
+def write_outputs(report: dict[str, Any], stem: Path) -> dict[str, Any]:
+    """Write ``OUT.json``, ``OUT.md`` and the plots; returns their paths (also in the JSON)."""
+    plots_dir = stem.with_name(stem.name + "_plots")
+    plots = write_plots(report, plots_dir)
+    outputs = {
+        "json": str(stem.with_name(stem.name + ".json")),
+        "markdown": str(stem.with_name(stem.name + ".md")),
+        "plots": [str(p) for p in plots],
+        "results_files": [str(stem.parent / e["results_file"]) for e in report["runs"]],
+    }
+    report["outputs"] = outputs
+    write_json_atomic(outputs["json"], report)
+    md = markdown(report, [os.path.relpath(p, stem.parent) for p in plots])
+    Path(outputs["markdown"]).write_text(md)
+    return outputs
+
+
+def results_rows(report: dict[str, Any]) -> list[list[str]]:
+    """The main table's rows: one per method and temperature, in run order."""
+    rows = []
+    for entry in report["runs"]:
+        for m in entry["methods"]:
+            vs = (
+                f"{m['speedup_vs_fastest_plain']:.2f}x ({m['fastest_plain_dtype']})"
+                if "speedup_vs_fastest_plain" in m
+                else "-"
+            )
+            rows.append(
+                [
+                    m["method"],
+                    f"{entry['temperature']:g}",
+                    str(m["k"]),
+                    str(m["num_prompts"]),
+                    fmt_number(m["acceptance_length"]),
+                    " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"]),
+                    fmt_number(m["tokens_per_second"], ".1f"),
+                    fmt_number(m.get("baseline_tokens_per_second"), ".1f"),
+                    fmt_number(m.get("speedup"), ".2f", "x"),
+                    vs,
+                    fmt_number(100 * m["draft_time_fraction"], ".0f", "%"),
+                    identical_text(m, sampled="- (sampled)", gaps=True),
+                ]
+            )
+    return rows
+
+
+RESULT_COLUMNS = [
+    "method",
+    "T",
+    "k",
+    "prompts",
+    "τ",
+    "α per position",
+    "tok/s",
+    "plain tok/s",
+    "speedup",
+    "vs fastest plain",
+    "draft share",
+    "identical",
+]
+
+
+def recommendation_text(rec: dict[str, Any]) -> str:
+    """One line: the best k and its predicted speedup beside the measured one."""
+    measured = fmt_number(rec["measured_speedup"], ".2f", "x")
+    line = (
+        f"{rec['method']} (T={rec['temperature']:g}): measured {measured} at k={rec['run_k']} "
+        f"(predicted {rec['predicted_at_run_k']:.2f}x); best k={rec['best_k']}: predicted "
+        f"{rec['best_predicted_speedup']:.2f}x"
+    )
+    if rec.get("note"):
+        line += f" ({rec['note']})"
+    if rec["best_is_extrapolated"]:
+        line += f" (α extrapolated past k={rec['measured_positions']}: measure it with --k)"
+    if rec["plain_is_faster"]:
+        line += " -- plain decoding is predicted faster at every k"
+    return line
+
+
+def markdown(report: dict[str, Any], plots: list[str]) -> str:
+    """The bench report as markdown (tables, recommendation, plots, provenance)."""
+    b = report["bench"]
+    lines = [
+        "# draftsmith bench",
+        "",
+        f"Target {b['target'] or 'SmolLM2-135M-Instruct'}, prompts "
+        f"{b['prompts'] or 'shipped set'} (split {b['split']}), {b['max_new_tokens']} new tokens "
+        f"per prompt, dtype {b['dtype']} (drafters {b['draft_dtype']}), k={b['k']}, seed "
+        f"{report['seed']}. Every drafter of one run shares one plain-decoding baseline, "
+        "measured prompt by prompt between them.",
+        "",
+    ]
+    for entry in report["runs"]:
+        t = entry["temperature"]
+        lines.append(
+            f"- T={t:g} ({'greedy' if t == 0 else 'sampled'}): {entry['prompts_evaluated']} "
+            f"prompts; results `{entry['results_file']}`"
+        )
+    lines += ["", "## Results", "", markdown_table(RESULT_COLUMNS, results_rows(report)), ""]
+    lines += [
+        "τ = tokens per target forward; α per position as vLLM counts it; speedup over plain "
+        "decoding in the same dtype, and over the fastest plain decoding measured "
+        "(docs/metrics.md). Sampled runs (T > 0) have no token-for-token check: the loop's "
+        "rejection sampling keeps the target's distribution (tested in "
+        "tests/test_speculative.py).",
+        "",
+    ]
+    cp = report["cost_profile"]
+    if report["recommendations"]:
+        lines += [
+            "## Recommended draft length",
+            "",
+            f"Predicted from each chain drafter's measured α, its measured drafting time per "
+            f"token and the verify cost per width in `{cp['path']}` ({cp.get('dtype')}, "
+            f"{cp.get('threads')} thread(s)): speedup(k) = τ(k)·V(1) / (V(k+1) + k·D), mixed "
+            "with plain 1-token steps by the share s of steps that drafted (n-gram lookup "
+            "drafts only on a match). Prefill and loop overhead are left out, so predictions "
+            "run a little high; α past the measured k is extrapolated.",
+            "",
+        ]
+        rows = [
+            [
+                r["method"],
+                f"{r['temperature']:g}",
+                str(r["run_k"]),
+                fmt_number(r["measured_speedup"], ".2f", "x"),
+                f"{r['predicted_at_run_k']:.2f}x",
+                str(r["best_k"]) + (" (extrapolated)" if r["best_is_extrapolated"] else ""),
+                f"{r['best_predicted_speedup']:.2f}x",
+                f"{1000 * r['draft_seconds_per_token']:.2f}",
+            ]
+            for r in report["recommendations"]
+        ]
+        cols = [
+            "method",
+            "T",
+            "run k",
+            "measured",
+            "predicted at run k",
+            "best k",
+            "predicted at best k",
+            "draft ms/token",
+        ]
+        lines += [markdown_table(cols, rows), ""]
+    if report["trees"]:
+        lines += ["## Trees (measured)", ""]
+        rows = [
+            [
+                r["method"],
+                f"{r['temperature']:g}",
+                f"{r['tree_total_tokens']} nodes, top-{r['tree_topk']}",
+                r["drafts"],
+                fmt_number(r["acceptance_length"]),
+                fmt_number(r["speedup"], ".2f", "x"),
+                fmt_number(r["speedup_vs_fastest_plain"], ".2f", "x"),
+            ]
+            for r in report["trees"]
+        ]
+        cols = ["method", "T", "tree", "drafts", "τ", "speedup", "vs fastest plain"]
+        lines += [markdown_table(cols, rows), ""]
+    if report["training"]:
+        lines += ["## Training", ""]
+        rows = []
+        for tr in report["training"]:
+            measured = ", ".join(
+                f"{m['acceptance_length']:.2f} (k={m['k']}, T={m['temperature']:g})"
+                for m in tr["measured"]
+            )
+            rows.append(
+                [
+                    tr["run"],
+                    str(len(tr["minutes"])),
+                    f"{tr['minutes'][-1]:.1f}",
+                    f"{tr['sim_tau'][-1]:.2f}",
+                    f"{max(tr['sim_tau']):.2f}",
+                    measured or "-",
+                ]
+            )
+        cols = ["run", "validations", "minutes", "last sim τ", "best sim τ", "measured τ"]
+        lines += [markdown_table(cols, rows), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    lines += [
+        "## Provenance",
+        "",
+        f"- command: `{report.get('command', '')}`",
+        f"- versions: {json.dumps(report.get('versions'))}",
+        f"- git commit: {report.get('git_commit')}; date {report.get('date')}",
+        f"- machine: {json.dumps(report.get('machine'))}",
+        f"- machine load: {json.dumps(report.get('machine_load'))}",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,189 @@
+"""The quickstart's summary: the lines it prints at the end and its ``summary.md``.
+
+Both are written from the job's summary dict (τ, speedups, losslessness, paths, the ``vllm
+serve`` line, times), its stage records in ``quickstart.json``, the evaluation's results and
+the training metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from draftsmith.train.report.text import fmt_number, minutes
+
+if TYPE_CHECKING:
+    from draftsmith.train.jobs.budget import Plan
+
+__all__ = ["plan_lines", "summary_lines", "summary_markdown", "vllm_serve_command"]
+
+
+def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
+    """The ``vllm serve`` line for an EAGLE-3 speculators export (as scripts/vllm_check.py
+    builds ``speculative_config``: method, num_speculative_tokens, model)."""
+    spec = {"method": "eagle3", "num_speculative_tokens": k, "model": str(export)}
+    return shlex.join(["vllm", "serve", str(target), "--speculative-config", json.dumps(spec)])
+
+
+def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
+    """What the job prints before its first stage: the target, budget and output, the plan's
+    sizes and estimated times, and a note when they exceed the budget.
+
+    Args:
+        plan: the job's plan.
+        cfg: the quickstart's settings (``target``, ``budget_minutes``, ``max_new_tokens``).
+        out: the output directory as shown.
+
+    Returns:
+        ``(text, style)`` pairs, the style a rich one or None.
+    """
+    answered = plan.records if plan.records is not None else plan.seeds + plan.magpie
+    answered = min(answered, plan.seeds + plan.magpie)
+    lines: list[tuple[str, str | None]] = [
+        (
+            f"quickstart: train an EAGLE-3 drafter for {cfg.target or 'SmolLM2-135M-Instruct'}"
+            f" in {cfg.budget_minutes:g} min -> {out}",
+            "bold",
+        ),
+        (
+            f"plan: {plan.seeds} seed prompts + {plan.magpie} written by the target, "
+            f"{answered} answered ({cfg.max_new_tokens} tokens max), training "
+            f"~{minutes(plan.estimates['train'])}, {plan.eval_prompts} held-out prompts "
+            f"evaluated; estimated {minutes(plan.total_s)} in all",
+            None,
+        ),
+    ]
+    if plan.total_s > plan.budget_s:
+        lines.append(
+            (
+                f"note: the estimate exceeds the {cfg.budget_minutes:g}-min budget: the "
+                "sizes asked for need more time than it gives",
+                "yellow",
+            )
+        )
+    return lines
+
+
+def _identical(summary: dict[str, Any]) -> str:
+    """The "lossless" entry: all outputs identical, or the share that is and why the rest is not."""
+    if summary.get("identical_to_target"):
+        return "yes, every output is the target's own"
+    rate = summary.get("identical_rate")
+    if rate is None:
+        return "-"
+    return f"{100 * rate:.0f} % of outputs identical; the others differ at bf16 near-ties"
+
+
+def summary_lines(
+    summary: dict[str, Any], stages: dict[str, Any], this_run: dict[str, str], cfg: Any
+) -> list[str]:
+    """The lines printed after the results table: τ and speedups, stage times, paths, serve line.
+
+    Args:
+        summary: the job's summary (``quickstart.json``'s ``summary``).
+        stages: the stage records, in job order.
+        this_run: stage name -> ``ran`` or ``skipped`` in this invocation.
+        cfg: the quickstart's settings (``budget_minutes`` is read).
+    """
+    lines = [
+        f"τ (tokens per target forward): {fmt_number(summary['acceptance_length'])}; speedup "
+        f"over plain bf16: {fmt_number(summary['speedup'], '.2f', 'x')}; over the fastest plain "
+        f"decoding: {fmt_number(summary['speedup_vs_fastest_plain'], '.2f', 'x')}; lossless: "
+        f"{_identical(summary)}",
+        "stages: "
+        + ", ".join(
+            f"{name} {minutes(rec.get('seconds', 0.0))}"
+            + (" (skipped now)" if this_run.get(name) == "skipped" else "")
+            for name, rec in stages.items()
+        ),
+        f"total: {minutes(summary['total_seconds'])} of the {cfg.budget_minutes:g}-min budget "
+        f"({minutes(summary['seconds_this_run'])} in this run)",
+        f"drafter: {summary['drafter']}",
+        f"export:  {summary['export']} (speculators format: what vLLM loads)",
+        f"report:  {summary['report']}",
+        f"plots:   {', '.join(summary['plots']) or '-'}",
+        f"summary: {summary['summary']} (stage status and times: {summary['state']})",
+        "serve it with vLLM:",
+        f"  {summary['vllm_serve']}",
+    ]
+    return lines
+
+
+def summary_markdown(
+    cfg: Any,
+    summary: dict[str, Any],
+    stages: dict[str, Any],
+    result: dict[str, Any],
+    training: dict[str, Any],
+    command: str,
+) -> str:
+    """The job's summary as Markdown (``<out-dir>/summary.md``).
+
+    Args:
+        cfg: the quickstart's settings (``target``, ``k``, ``max_new_tokens``,
+            ``budget_minutes`` are read).
+        summary: as :func:`summary_lines`.
+        stages: as :func:`summary_lines`.
+        result: the evaluation's results (``eval.json``).
+        training: the training metrics (``training_metrics.json``).
+        command: the command that reruns the job.
+    """
+    alpha = " ".join(f"{a:.2f}" for a in summary.get("acceptance_rate_per_position") or [])
+    validation = (training.get("final_validation") or {}).get("val/sim_tau")
+    rows = "\n".join(
+        f"| {name} | {rec.get('status', '-')} | {minutes(rec.get('seconds', 0.0))} | "
+        f"`{rec.get('command', '')}` |"
+        for name, rec in stages.items()
+    )
+    ref = result.get("reference_plain") or {}
+    plain_tps = fmt_number(result.get("baseline_tokens_per_second"), ".1f")
+    vs_fastest = fmt_number(summary.get("speedup_vs_fastest_plain"), ".2f", "x")
+    trained = (
+        f"{training.get('steps', '-')} steps, {minutes(training.get('train_seconds', 0.0))}; "
+        f"validation simulated τ {fmt_number(validation)}"
+    )
+    return f"""# draftsmith quickstart
+
+`{command}` trained an EAGLE-3 drafter for `{cfg.target or "SmolLM2-135M-Instruct"}` and measured
+it against plain decoding on {result.get("num_prompts", "-")} of the project's held-out prompts
+({result.get("dtype", "bfloat16")}, greedy, k = {cfg.k}, {cfg.max_new_tokens} new tokens).
+
+## Results
+
+| | |
+|---|---|
+| τ (tokens per target forward) | {fmt_number(summary.get("acceptance_length"))} |
+| α per position | {alpha or "-"} |
+| speculative tok/s | {fmt_number(result.get("tokens_per_second"), ".1f")} |
+| plain tok/s ({result.get("dtype", "-")}) | {plain_tps} |
+| plain tok/s ({ref.get("dtype", "-")}) | {fmt_number(ref.get("tokens_per_second"), ".1f")} |
+| speedup over plain, same dtype | {fmt_number(summary.get("speedup"), ".2f", "x")} |
+| speedup over the fastest plain | {vs_fastest} |
+| lossless | {_identical(summary)} |
+| training | {trained} |
+
+## Files
+
+- drafter: `{summary["drafter"]}` (draftsmith's layout; `draftsmith evaluate --drafter eagle=DIR`)
+- export: `{summary["export"]}` (speculators format, what vLLM loads)
+- report: `{summary["report"]}` (every metric and per-prompt outputs, see docs/metrics.md)
+- plots: {", ".join(f"`{p}`" for p in summary["plots"]) or "-"}
+- stage status and wall times: `{summary["state"]}`
+
+## Serve with vLLM
+
+```bash
+{summary["vllm_serve"]}
+```
+
+## Stages
+
+| stage | status | wall time | command (reruns it alone) |
+|---|---|---|---|
+{rows}
+
+Total {minutes(summary["total_seconds"])} of the {cfg.budget_minutes:g}-min budget. Rerun
+`{command}` to resume or refresh; see docs/quickstart.md to scale up.
+"""

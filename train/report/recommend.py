@@ -1,0 +1,164 @@
+"""The draft length the bench recommends, predicted from a measured run and the verify costs.
+
+For each chain drafter, :func:`recommend` predicts the speedup at k = 1..``max_k`` with
+:func:`~draftsmith.train.decoding.draft_length.predicted_speedups` from its measured α, its
+measured drafting seconds per drafted token and the verify cost per width of
+``scripts/bench_forward.py``'s profile (:func:`default_cost_profile`, or ``--cost-profile``).
+α beyond the measured k is extrapolated (:func:`extend_alpha`: the last conditional acceptance
+rate held constant) and flagged as such.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from draftsmith.train.decoding.draft_length import load_cost_profile, predicted_speedups
+from draftsmith.train.errors import UsageError
+
+__all__ = [
+    "DEFAULT_COST_PROFILES",
+    "default_cost_profile",
+    "draft_seconds_per_token",
+    "extend_alpha",
+    "load_costs",
+    "recommend",
+]
+
+#: Where the verify-cost profile is looked for when ``--cost-profile`` is not given: the working
+#: directory first (a checkout), then the checkout this package is installed from (editable).
+DEFAULT_COST_PROFILES = (
+    Path("bench/forward_cost.json"),
+    Path(__file__).resolve().parents[2] / "bench" / "forward_cost.json",
+)
+
+
+def default_cost_profile() -> Path:
+    """The verify-cost profile to use when none is given.
+
+    Raises:
+        UsageError: none of :data:`DEFAULT_COST_PROFILES` exists (names the file and the command
+            that makes it).
+    """
+    for path in DEFAULT_COST_PROFILES:
+        if path.is_file():
+            return path
+    raise UsageError(
+        f"no verify-cost profile: {DEFAULT_COST_PROFILES[0]} not found; make it with "
+        f"`python scripts/bench_forward.py --out {DEFAULT_COST_PROFILES[0]}` or pass "
+        "--cost-profile FILE"
+    )
+
+
+def load_costs(path: Path, dtype: str, threads: int) -> dict[int, float]:
+    """``load_cost_profile`` with its failures turned into one-line usage errors."""
+    try:
+        return load_cost_profile(path, dtype, threads)
+    except OSError as exc:
+        raise UsageError(
+            f"cost profile {path}: cannot read it ({exc.strerror or exc}); "
+            "scripts/bench_forward.py makes one"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"cost profile {path}: not JSON ({exc})") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        # ValueError: no profile for the dtype (its message names the file); the rest: a JSON
+        # that is not bench_forward.py's layout.
+        text = (
+            str(exc) if isinstance(exc, ValueError) else f"not a bench_forward.py profile ({exc!r})"
+        )
+        raise UsageError(text if str(path) in text else f"cost profile {path}: {text}") from None
+
+
+def extend_alpha(alpha: list[float], n: int) -> list[float]:
+    """α per position for ``n`` positions: the measured ones, then an extrapolated tail.
+
+    Past the measured k the conditional acceptance rate of the last measured position
+    (α_k / α_{k-1}; α_1 when k = 1) is held constant: a chain position is accepted only when
+    every earlier one is, and deeper conditional rates change slowly. Exact for the measured
+    positions (a prefix of a longer chain is accepted exactly as often).
+
+    Args:
+        alpha: ``[k]`` measured α_i (unconditional, vLLM's definition).
+        n: positions wanted.
+
+    Returns:
+        ``[n]`` α_i; the first ``min(k, n)`` are ``alpha``'s.
+    """
+    out = [float(a) for a in alpha[:n]]
+    if len(out) >= n:
+        return out
+    if not alpha or alpha[-1] <= 0:
+        ratio = 0.0
+    elif len(alpha) >= 2 and alpha[-2] > 0:
+        ratio = min(1.0, alpha[-1] / alpha[-2])
+    else:
+        ratio = min(1.0, float(alpha[-1]))
+    while len(out) < n:
+        out.append(out[-1] * ratio if out else 0.0)
+    return out
+
+
+def draft_seconds_per_token(result: dict[str, Any]) -> float:
+    """D: the drafter's seconds (start, propose, accept) per drafted token over the run."""
+    proposed = result.get("proposed_tokens") or 0
+    if not proposed:
+        return 0.0
+    return result["draft_time_fraction"] * result["wall_time_s"] / proposed
+
+
+def recommend(result: dict[str, Any], costs: dict[int, float], max_k: int) -> dict[str, Any]:
+    """The chain length predicted fastest for one measured chain drafter.
+
+    Args:
+        result: one method's evaluate result (``acceptance_rate_per_position``, ``k``,
+            ``speedup``, ``draft_time_fraction``, ``wall_time_s``, ``proposed_tokens``).
+        costs: seconds per target forward by width (:func:`load_cost_profile`).
+        max_k: longest chain considered (the run's k is always included).
+
+    Returns:
+        ``predicted`` ``{k: speedup}``, ``best_k``, ``best_predicted_speedup``, the measured
+        speedup and the prediction at the run's k beside it, ``alpha_used`` (``[n]``: measured,
+        then extrapolated past ``measured_positions``), ``draft_seconds_per_token`` and
+        ``plain_is_faster`` (no k predicted above 1x).
+    """
+    alpha = list(result["acceptance_rate_per_position"])
+    run_k = int(result["k"])
+    n = max(max_k, run_k)
+    used = extend_alpha(alpha, n)
+    d = draft_seconds_per_token(result)
+    # A drafter that drafts only on some steps (n-gram lookup finds no match elsewhere) has its
+    # α per drafted step; the prediction mixes those steps with the plain ones by their share.
+    verify_steps = result.get("target_forwards", 0) - result.get("num_prompts", 0)
+    drafted = result.get("draft_steps", 0)
+    share = min(1.0, drafted / verify_steps) if verify_steps > 0 else 1.0
+    predicted = predicted_speedups(used, costs, d, drafted_share=share)
+    best_k = max(predicted, key=lambda k: (predicted[k], -k))  # ties: the shorter chain
+    rec = {
+        "method": result["method"],
+        "temperature": result.get("temperature", 0.0),
+        "run_k": run_k,
+        "measured_speedup": result.get("speedup"),
+        "measured_speedup_vs_fastest_plain": result.get("speedup_vs_fastest_plain"),
+        "predicted_at_run_k": predicted[run_k],
+        "best_k": best_k,
+        "best_predicted_speedup": predicted[best_k],
+        "best_is_extrapolated": best_k > len(alpha),
+        "plain_is_faster": predicted[best_k] <= 1.0,
+        "predicted": predicted,
+        "alpha_used": used,
+        "measured_positions": len(alpha),
+        "draft_seconds_per_token": d,
+    }
+    rec["drafted_step_share"] = share
+    notes = []
+    if not drafted:
+        notes.append("never drafted: nothing to predict from")
+    elif share < 0.8:
+        notes.append(f"drafted on {100 * share:.0f}% of steps (assumed the same share at every k)")
+    if result.get("adaptive_k"):
+        notes.append("measured with --adaptive-k: its α are of shorter drafts")
+    if notes:
+        rec["note"] = "; ".join(notes)
+    return rec
