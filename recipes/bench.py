@@ -63,6 +63,7 @@ from draftsmith.train.errors import UsageError, cli_main
 from draftsmith.train.report.bench import (
     RESULT_COLUMNS,
     build_report,
+    busy_warnings,
     differs_from_plain,
     read_training_log,
     recommendation_text,
@@ -71,7 +72,7 @@ from draftsmith.train.report.bench import (
 )
 from draftsmith.train.report.recommend import default_cost_profile, load_costs
 from draftsmith.train.report.text import console, fmt_number
-from draftsmith.train.runinfo import machine_load, run_info
+from draftsmith.train.runinfo import load_record, machine_load, run_info
 
 __all__ = ["BenchConfig", "main", "parse", "run"]
 
@@ -234,7 +235,7 @@ def run(cfg: BenchConfig) -> int:
     report = build_report(runs, stem, profile, cfg.max_k, training)
     report["bench"].update(shard=cfg.shard, merged_from=merged_from)
     report["config"] = config_to_dict(cfg)
-    report["machine_load"] = {"before": load_before, "after": machine_load()}
+    report["machine_load"] = load_record(load_before, machine_load())
     report.update(info)
     outputs = write_outputs(report, stem)
     _print_summary(report, outputs)
@@ -296,6 +297,8 @@ def _print_summary(report: dict[str, Any], outputs: dict[str, Any]) -> None:
     for row in results_rows(report):
         table.add_row(*map(escape, row))
     out.print(table)
+    for text in busy_warnings(report):
+        out.print(text, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
     for rec in report["recommendations"]:
         print("recommend: " + recommendation_text(rec))
     for tree in report["trees"]:

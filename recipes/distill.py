@@ -318,7 +318,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     from draftsmith.train.decoding.metrics import simulated_tau
     from draftsmith.train.export.hf import save_draft
     from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target.load import describe_target, load_target
 
     info = run_info()
     with TrainRun(
@@ -400,7 +400,8 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         def card(validation: dict[str, Any] | None) -> dict[str, Any]:
             init = cfg.draft_init + (f" {cfg.draft_layers}" if cfg.draft_init == "pruned" else "")
             return {
-                "target": cfg.target or "HuggingFaceTB/SmolLM2-135M-Instruct",
+                # As a server elsewhere finds it; the default's dequantized GGUF gets a note.
+                **describe_target(cfg.target, cache_dir=cfg.cache_dir),
                 "data": str(cfg.data),
                 "init": init,
                 "num_layers": unwrapped.config.num_hidden_layers,

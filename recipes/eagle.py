@@ -7,6 +7,8 @@ Launch::
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/eagle.py \\
         --config recipes/configs/eagle3_smollm2.yaml            # 2 processes on CPU
     accelerate launch --config_file recipes/accelerate/multi_gpu.yaml recipes/eagle.py ...
+    accelerate launch --config_file recipes/accelerate/fsdp_cpu_2proc.yaml recipes/eagle.py ...
+        # FSDP: target and drafter sharded (docs/scaling.md)
 
 Then evaluate and export::
 
@@ -157,13 +159,14 @@ def train(cfg: EagleTrainConfig) -> int:
     from draftsmith.train.target.load import load_target
 
     info = run_info()
-    with TrainRun(cfg, recipe="eagle", kind=f"eagle{cfg.version}", outputs=["drafter"]) as run:
+    kind = f"eagle{cfg.version}"
+    with TrainRun(cfg, recipe="eagle", kind=kind, outputs=["drafter"], fsdp=True) as run:
         accelerator, say = run.accelerator, run.say
 
         # --- target (frozen) ------------------------------------------------------------------
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.target_dtype]
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
-        target.requires_grad_(False).eval().to(accelerator.device)
+        target = run.place_target(target.requires_grad_(False).eval())  # sharded under FSDP
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
         if cfg.feature_layers is not None and max(cfg.feature_layers) > num_layers:
             raise UsageError(
@@ -275,6 +278,7 @@ def train(cfg: EagleTrainConfig) -> int:
         # --- optimizer, schedule, prepare, resume ---------------------------------------------
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         drafter, optimizer, loader, val_loader = run.prepare(drafter, optimizer, loader, val_loader)
+        params = [p for p in drafter.parameters() if p.requires_grad]  # FSDP swaps in shards
         total = total_steps(cfg.max_steps, cfg.epochs, len(loader), cfg.grad_accum)
         # Stepped here once per optimizer step, not prepared: accelerate's wrapper steps it
         # once per process, which would finish the schedule early on several processes.
@@ -319,8 +323,9 @@ def train(cfg: EagleTrainConfig) -> int:
             return val, simulated_tau(accs)
 
         def save_to(path: Path) -> None:
-            if accelerator.is_main_process:
-                save_drafter(accelerator.unwrap_model(drafter), path)
+            with run.full_model(drafter) as model:  # FSDP: gathered, collective
+                if accelerator.is_main_process:
+                    save_drafter(model, path)
 
         # --- loop -----------------------------------------------------------------------------
         step = run.state.step

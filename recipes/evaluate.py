@@ -9,6 +9,10 @@ Launch::
         --drafter eagle=runs/eagle1_smollm2/drafter eagle=runs/eagle3_smollm2/drafter \
         eagle-tree=runs/eagle3_smollm2/drafter --out results/eagle.json
 
+When the machine was busy before or after the timed runs (other work's load of at least half
+the cores, docs/metrics.md), the table is followed by a warning naming the busy processes, and
+the JSON's ``machine_load`` holds ``busy: true`` and ``busy_processes``.
+
 Several drafters in one run share one plain-decoding baseline, measured prompt by prompt between
 them. The ``--drafter`` kinds are those of ``heads/registry.py`` (built through it, named by the
 drafters themselves): adding a drafter changes nothing here.
@@ -45,7 +49,14 @@ from draftsmith.train.decoding.results import (
     prompt_entry,
 )
 from draftsmith.train.decoding.speculative import generate
-from draftsmith.train.runinfo import machine_load, run_info, wandb_mode, write_json_atomic
+from draftsmith.train.runinfo import (
+    busy_warning,
+    load_record,
+    machine_load,
+    run_info,
+    wandb_mode,
+    write_json_atomic,
+)
 from draftsmith.train.target.kernels import flatten_linear_inputs
 from draftsmith.train.target.load import TargetError, load_target
 
@@ -55,7 +66,9 @@ class EvalConfig:
     """Settings of one evaluation run."""
 
     target: str | None = cfg_field(
-        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+        None,
+        help="target: a local HF model dir, a .gguf file, a Hugging Face Hub id (org/name), or "
+        "None for SmolLM2-135M-Instruct",
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     dtype: str = cfg_field(
@@ -217,7 +230,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         write_json_atomic(cfg.out, out)
-        _console().print(results_table(out.get("methods", [out]), title="merged results"))
+        console = _console()
+        console.print(results_table(out.get("methods", [out]), title="merged results"))
+        warning = busy_warning(out.get("machine_load"))
+        if warning:
+            console.print(
+                warning, style="bold yellow", markup=False, highlight=False, soft_wrap=True
+            )
         print(f"results of {len(cfg.merge)} files written to {cfg.out}")
         return 0
     if cfg.threads:
@@ -354,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     out["config"] = config_to_dict(cfg)
     out["prompts_evaluated"] = len(base_runs) if cfg.baseline else len(spec_runs[0])
     out["prompts_selected"] = len(records)
-    out["machine_load"] = {"before": load_before, "after": machine_load()}
+    out["machine_load"] = load_record(load_before, machine_load())
     if stopped_early:
         print(
             f"max_minutes={cfg.max_minutes} reached: {out['prompts_evaluated']} of "
@@ -362,15 +381,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     out.update(info)
 
-    _console().print(
-        results_table(results, title=f"target: {cfg.target or 'SmolLM2-135M-Instruct'}")
-    )
+    console = _console()
+    console.print(results_table(results, title=f"target: {cfg.target or 'SmolLM2-135M-Instruct'}"))
+    warning = busy_warning(out["machine_load"])
+    if warning:
+        console.print(warning, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
     if cfg.out:
         write_json_atomic(cfg.out, out)
         print(f"results written to {cfg.out}")
     if cfg.report_to == "wandb":
         for result in results:
-            _log_wandb(cfg, {**result, "config": out["config"]})
+            busy = out["machine_load"]["busy"]
+            _log_wandb(cfg, {**result, "config": out["config"], "machine_busy": busy})
     code = 0
     for result in results:
         if result["identical_to_target"] is False:
@@ -410,7 +432,13 @@ def _console():
 
 
 def _log_wandb(cfg: EvalConfig, result: dict) -> None:
-    """Log the summary metrics, α per position and per-prompt τ to W&B."""
+    """Log the summary metrics, α per position and per-prompt τ to W&B.
+
+    Scalars go to the summary and as ``eval/<name>`` (τ is ``eval/acceptance_length``); α per
+    position also as scalars ``eval/alpha_<i>`` (1-based) beside its bar chart; the printed
+    results table's row as the table ``eval/results``; ``machine_busy`` says whether the
+    machine was busy (docs/metrics.md).
+    """
     import wandb
 
     mode = wandb_mode()
@@ -424,7 +452,15 @@ def _log_wandb(cfg: EvalConfig, result: dict) -> None:
         name=f"eval-{result['method']}-k{cfg.k}-{int(time.time())}",
     )
     scalars = {k: v for k, v in result.items() if isinstance(v, (int, float)) and k != "k"}
+    alphas = result["acceptance_rate_per_position"]
+    scalars.update({f"alpha_{i + 1}": a for i, a in enumerate(alphas)})
     run.summary.update(scalars)
+    columns = ["method", "k", "prompts", "new_tokens", "tau", "alpha_per_position"]
+    columns += ["tokens_per_second", "baseline_tokens_per_second", "speedup", "identical"]
+    row = [result["method"], result["k"], result["num_prompts"], result["new_tokens"]]
+    row += [result["acceptance_length"], " ".join(f"{a:.3f}" for a in alphas)]
+    row += [result.get(key) for key in columns[6:9]]
+    row.append(result.get("identical_to_target"))
     alpha = wandb.Table(
         columns=["position", "acceptance_rate"],
         data=[[i + 1, a] for i, a in enumerate(result["acceptance_rate_per_position"])],
@@ -440,6 +476,7 @@ def _log_wandb(cfg: EvalConfig, result: dict) -> None:
                 alpha, "position", "acceptance_rate"
             ),
             "eval/acceptance_length_per_prompt": wandb.plot.histogram(taus, "acceptance_length"),
+            "eval/results": wandb.Table(columns=columns, data=[row]),
         }
     )
     run.finish()

@@ -135,7 +135,7 @@ class QuickstartConfig:
     )
     target: str | None = cfg_field(
         None,
-        help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct "
+        help="target: a Hugging Face Hub id, a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct "
         "(as `draftsmith prepare-target` resolves it)",
     )
     prompts: Path | None = cfg_field(

@@ -374,3 +374,11 @@ def test_main_distill_skips_heldout_and_resumes(tmp_path, tiny_target_dir, capsy
     assert "other settings" in capsys.readouterr().err
     assert main_distill(["--output", str(out), "--batch-size", "0"]) == 2
     assert main_distill(["--output", str(out), "--input", str(tmp_path / "nope.jsonl")]) == 2
+
+
+def test_prompt_tokens_are_counted(tmp_path, model, tok):
+    # The summary's prompt token count (the --endpoint path reports the same number).
+    convs, _ = load_records(write_jsonl(tmp_path / "in.jsonl", alpaca_rows(5)))
+    stats = _run(model, tok, convs, tmp_path / "o.jsonl")
+    want = sum(len(prompt_ids(tok, c.messages[0]["content"])) for c in convs)
+    assert stats.prompt_tokens == want > 0

@@ -282,14 +282,188 @@ def staged_dir(out: str | Path, *, overwrite: bool, need_bytes: int = 0) -> Iter
         raise
 
 
-def machine_load() -> dict[str, float | int]:
+#: A run is "busy" when, beyond its own threads, work kept at least this share of the cores
+#: runnable (1-min load average): on 2 cores, one other core-hogging process.
+BUSY_SHARE = 0.5
+
+
+def machine_load(own_load: float | None = None) -> dict[str, Any]:
     """The load average and core count: a busy 2-core machine skews every timing.
 
     Results JSONs record it before and after a timed run, so a reader can tell whether another
-    job shared the cores. Empty where the platform has no load average.
+    job shared the cores. The rule (docs/metrics.md, "Busy machine"): the 1-min load average
+    counts runnable threads, this process's included, so ``load_beyond_own`` = load average −
+    ``own_load`` (this process's share of it, :func:`process_load_share`); the machine is
+    ``busy`` when that is at least :data:`BUSY_SHARE` × cores. When busy, ``busy_processes``
+    names the other processes using the CPU right now (:func:`busy_processes`).
+
+    Args:
+        own_load: this process's share of the 1-min load average; default
+            :func:`process_load_share`.
+
+    Returns:
+        ``loadavg_1m``, ``loadavg_5m``, ``cpu_count``, ``own_threads`` (torch's intra-op
+        threads, when torch is imported), ``own_load``, ``load_beyond_own``, ``busy`` (and
+        ``busy_processes`` when busy); empty where the platform has no load average.
     """
     try:
         load = os.getloadavg()
     except OSError:
         return {}
-    return {"loadavg_1m": load[0], "loadavg_5m": load[1], "cpu_count": os.cpu_count()}
+    cores = os.cpu_count() or 1
+    torch = sys.modules.get("torch")
+    threads = min(torch.get_num_threads() if torch is not None else 1, cores)
+    if own_load is None:  # without /proc: as if every torch thread had run all minute
+        own_load = process_load_share()
+        own_load = float(threads) if own_load is None else own_load
+    beyond = max(0.0, load[0] - own_load)
+    record: dict[str, Any] = {
+        "loadavg_1m": load[0],
+        "loadavg_5m": load[1],
+        "cpu_count": cores,
+        "own_threads": threads,
+        "own_load": round(own_load, 2),
+        "load_beyond_own": round(beyond, 2),
+        "busy": beyond >= BUSY_SHARE * cores,
+    }
+    if record["busy"]:
+        record["busy_processes"] = busy_processes()
+    return record
+
+
+def process_load_share() -> float | None:
+    """This process's share of the 1-min load average, estimated from ``/proc/self/stat``.
+
+    The kernel's 1-min load average weights what ran ``s`` seconds ago by ``exp(-s/60)``; a
+    process that used ``r`` cores on average over its age ``T`` adds about
+    ``r · (1 − exp(−T/60))``. So a run that has just started counts for little (the load of
+    the minute before it is other work's), one that has used two cores for minutes for ~2.
+
+    Returns:
+        The estimate, or None where there is no ``/proc``.
+    """
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError):
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # fields from the 3rd (state) on
+    hz = os.sysconf("SC_CLK_TCK")
+    cpu_s = (int(fields[11]) + int(fields[12])) / hz  # utime + stime, all threads
+    age = max(uptime - int(fields[19]) / hz, 1e-3)  # starttime: ticks after boot
+    return cpu_s / age * (1.0 - math.exp(-age / 60.0))
+
+
+def busy_processes(
+    top: int = 5, window_s: float = 0.25, min_cores: float = 0.05
+) -> list[dict[str, Any]]:
+    """The processes other than this one using the most CPU now, read from ``/proc``.
+
+    Two reads of every ``/proc/<pid>/stat`` ``window_s`` apart give each process's CPU time in
+    that window (all its threads), in cores (1.0 = one core kept busy).
+
+    Args:
+        top: at most this many processes, busiest first.
+        window_s: the measuring window.
+        min_cores: leave out processes below this.
+
+    Returns:
+        ``[{"pid", "name", "cores", "command"}]`` (``command`` cut to 120 characters); empty
+        where there is no ``/proc``.
+    """
+    import time
+
+    def cpu_ticks() -> dict[int, tuple[str, int]]:
+        ticks = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                text = Path(entry.path, "stat").read_text()
+            except OSError:  # the process ended
+                continue
+            # "pid (comm) state ... utime stime ...": comm may hold spaces and parentheses.
+            name = text[text.find("(") + 1 : text.rfind(")")]
+            fields = text[text.rfind(")") + 2 :].split()
+            ticks[int(entry.name)] = (name, int(fields[11]) + int(fields[12]))
+        return ticks
+
+    if not Path("/proc/self/stat").exists():
+        return []
+    first = cpu_ticks()
+    start = time.monotonic()
+    time.sleep(window_s)
+    second = cpu_ticks()
+    elapsed = time.monotonic() - start
+    hz = os.sysconf("SC_CLK_TCK")
+    usage = []
+    for pid, (name, ticks) in second.items():
+        if pid in first:
+            cores = (ticks - first[pid][1]) / hz / elapsed
+            if cores >= min_cores:
+                usage.append((cores, pid, name))
+    busiest = []
+    for cores, pid, name in sorted(usage, reverse=True)[:top]:
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            raw = b""
+        command = raw.replace(b"\0", b" ").decode(errors="replace").strip() or name
+        busiest.append(
+            {"pid": pid, "name": name, "cores": round(cores, 2), "command": command[:120]}
+        )
+    return busiest
+
+
+def load_record(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A results JSON's ``machine_load``: the two snapshots, ``busy`` if either was, and the
+    busy processes seen (each once, its larger CPU share kept)."""
+    processes: dict[int, dict[str, Any]] = {}
+    for snap in (before, after):
+        for proc in snap.get("busy_processes") or []:
+            seen = processes.get(proc["pid"])
+            if seen is None or proc["cores"] > seen["cores"]:
+                processes[proc["pid"]] = proc
+    return {
+        "before": before,
+        "after": after,
+        "busy": bool(before.get("busy") or after.get("busy")),
+        "busy_processes": sorted(processes.values(), key=lambda p: -p["cores"]),
+    }
+
+
+def busy_warning(record: dict[str, Any] | None) -> str | None:
+    """The one-line warning for a busy run, or None (also for files without the busy fields).
+
+    Args:
+        record: a ``machine_load`` as :func:`load_record` writes it; merged shard results keep
+            theirs under ``shards``.
+    """
+    if not record:
+        return None
+    records = [record, *(record.get("shards") or [])]
+    snaps = [
+        (when, r[when])
+        for r in records
+        for when in ("before", "after")
+        if isinstance(r.get(when), dict)
+    ]
+    busy = [(when, snap) for when, snap in snaps if snap.get("busy")]
+    if not busy:
+        return None
+    worst = max((snap for _, snap in busy), key=lambda snap: snap.get("load_beyond_own", 0.0))
+    when = " and ".join(w for w in ("before", "after") if any(w == b for b, _ in busy))
+    procs = [p for r in records for p in r.get("busy_processes") or []]
+    seen: set[int] = set()
+    names = []
+    for p in sorted(procs, key=lambda p: -p["cores"]):
+        if p["pid"] not in seen:
+            seen.add(p["pid"])
+            names.append(f"{p['name']} (pid {p['pid']}, {100 * p['cores']:.0f}% of a core)")
+    return (
+        f"warning: the machine was busy {when} the timed runs (1-min load average "
+        f"{worst['loadavg_1m']:.2f} on {worst['cpu_count']} cores, {worst['load_beyond_own']:.2f} "
+        f"beyond this run's own {worst['own_load']:.2f}): tok/s and speedups are "
+        "unreliable, rerun on an idle machine"
+        + (f"; other busy processes: {', '.join(names[:5])}" if names else "")
+    )

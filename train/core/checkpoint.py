@@ -7,6 +7,14 @@ A checkpoint is written into ``.step_N.tmp`` and renamed when complete, so a ``s
 always whole; a kill during a save leaves only a temp dir, which is never read and is removed by
 the next save. Loading tries the newest checkpoint and falls back to the previous one when it
 cannot be read (truncated file, corrupt state), with a warning.
+
+Under FSDP (``distributed_type: FSDP``) ``save_state`` writes the drafter and its optimizer as
+sharded state dicts (``torch.distributed.checkpoint``: ``pytorch_model_fsdp_0/``,
+``optimizer_0/``), each process its own shards, and ``load_state`` reads them back into the
+same sharding; with DDP the main process writes one ``model.safetensors``. Either way every
+process writes into the checkpoint directory (its RNG state at least), so a run over several
+machines needs ``output_dir`` on a filesystem they all mount at the same path; a run checks
+this when it starts (:func:`check_shared_output`).
 """
 
 from __future__ import annotations
@@ -158,6 +166,41 @@ def save_checkpoint(accelerator: Any, output_dir: Path, state: TrainerState, kee
             raise RunError(f"saving {final} failed in another process")
         raise _fail(error, root, need) from error
     return final
+
+
+def check_shared_output(accelerator: Any, output_dir: Path) -> None:
+    """Refuse to start when the processes do not all write into the same ``output_dir``.
+
+    Each process writes a probe file; the main process must see all of them. All processes
+    call this (after the main one created the directory); one process: nothing to check.
+
+    Raises:
+        UsageError: a process's probe is missing (another machine with its own disk at that
+            path): its checkpoint shards and RNG state would be lost at the first save.
+    """
+    n, rank = accelerator.num_processes, accelerator.process_index
+    if n == 1:
+        return
+    root = Path(output_dir)
+    mine = root / f".shared-check.rank{rank}"
+    failed = False
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        mine.write_text(str(os.getpid()))
+    except OSError:
+        failed = True
+    missing: list[int] = []
+    if not any_rank([failed], accelerator.device)[0] and accelerator.is_main_process:
+        missing = [i for i in range(n) if not (root / f".shared-check.rank{i}").is_file()]
+    bad = any_rank([failed or bool(missing)], accelerator.device)[0]
+    mine.unlink(missing_ok=True)
+    if bad:
+        who = f"process(es) {missing} wrote" if missing else "a process could not write"
+        raise UsageError(
+            f"output_dir: {root} is not one directory shared by all {n} processes ({who} "
+            "their probe file elsewhere): put it on a filesystem every machine mounts at the "
+            "same path -- every process writes its checkpoint shards and RNG state there"
+        )
 
 
 def _rotate(output_dir: Path, keep: int, run_id: str) -> None:

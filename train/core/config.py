@@ -20,7 +20,8 @@ class TrainConfig:
 
     # --- target ---
     target: str | None = cfg_field(
-        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+        None,
+        help="target: a Hugging Face Hub id, a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct",
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     # --- optimisation ---

@@ -11,7 +11,10 @@ Why each piece exists (each failure was seen on 2 CPU processes):
 * teardown: a barrier, then ``destroy_process_group()``, then the process ends without running
   interpreter finalisation: at finalisation a DDP ``Reducer`` destroyed ``ProcessGroupGloo``,
   whose thread join held the GIL while a gloo thread waited for it (a deadlock that hung the
-  test suite intermittently).
+  test suite intermittently);
+* FSDP on CPU processes: accelerate switches to FSDP only on GPU-like devices, so an FSDP
+  config on CPUs (gloo) silently trained with DDP; :func:`setup_fsdp` switches it, and
+  :func:`shard_frozen_target` shards the frozen target over the same processes.
 """
 
 from __future__ import annotations
@@ -89,6 +92,168 @@ def any_rank(flags: list[bool], device: Any) -> list[bool]:
     t = torch.tensor([float(f) for f in flags], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]
+
+
+# --- FSDP: the frozen target and the drafter sharded over the run's processes -------------------
+
+
+def fsdp_requested() -> bool:
+    """Whether the launcher asked for FSDP (``distributed_type: FSDP`` in the accelerate config).
+
+    ``accelerate launch`` turns the config's FSDP section into ``ACCELERATE_USE_FSDP`` and
+    ``FSDP_*`` environment variables, which accelerate's ``FullyShardedDataParallelPlugin`` reads.
+    """
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
+def setup_fsdp(accelerator: Any) -> list[str] | None:
+    """Make ``accelerator`` an FSDP2 one when the launcher asked; the target's layer classes.
+
+    On GPUs accelerate does this itself. On CPU processes (gloo) it never does: its state
+    switches to FSDP only for GPU-like process types, so an FSDP config would silently run DDP.
+    The FSDP2 machinery it then uses (``fully_shard``, DTensor gradients, DCP state dicts) works on
+    CPU with gloo, so this switches the state the way accelerate's own ``AcceleratorState`` does
+    (its type, mirrored into ``PartialState``, and the plugin from the ``FSDP_*`` variables).
+
+    The config's ``fsdp_transformer_layer_cls_to_wrap`` names the *target's* decoder layer class
+    (e.g. ``LlamaDecoderLayer``); it is taken off the plugin so that accelerate wraps the drafter
+    (one decoder layer, no such class) as one FSDP unit instead of refusing it.
+
+    Returns:
+        None when FSDP is off; else the target's layer class names from the config (an empty
+        list: use the model's own ``_no_split_modules``).
+
+    ``fsdp_cpu_ram_efficient_loading`` (on by default in ``accelerate launch``) is turned off,
+    with a note: with it, transformers leaves the target's weights on the meta device on all but
+    the first process of each machine, and accelerate's rank-0 broadcast of the drafter fails on
+    its buffers (EAGLE-3's vocabulary maps). Every process loads the target instead, and the
+    drafter's first weights come from rank 0 (:func:`broadcast_module`).
+
+    Raises:
+        UsageError: FSDP version 1 (the target is sharded with FSDP2's ``fully_shard``; the two
+            do not mix in one process group).
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from draftsmith.train.errors import UsageError
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.MULTI_CPU and fsdp_requested():
+        plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        state.fsdp_plugin = plugin
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if state.distributed_type != DistributedType.FSDP:
+        return None
+    plugin = state.fsdp_plugin
+    if plugin.fsdp_version != 2:
+        raise UsageError(
+            f"fsdp_version: {plugin.fsdp_version} is not supported; set fsdp_version: 2 in the "
+            "accelerate config (the frozen target is sharded with FSDP2's fully_shard)"
+        )
+    variable = "FSDP_CPU_RAM_EFFICIENT_LOADING"  # what transformers' from_pretrained reads
+    if plugin.cpu_ram_efficient_loading or os.environ.get(variable, "").lower() in ("1", "true"):
+        os.environ[variable] = "false"
+        plugin.cpu_ram_efficient_loading = False
+        accelerator.print(
+            "note: fsdp_cpu_ram_efficient_loading is turned off: every process loads the "
+            "target before sharding it, and the drafter's first weights are sent from rank 0"
+        )
+    names = list(plugin.transformer_cls_names_to_wrap or [])
+    plugin.transformer_cls_names_to_wrap = None
+    return names
+
+
+def fsdp_mesh(accelerator: Any) -> Any:
+    """The device mesh accelerate shards prepared models over (None: all processes, 1-D)."""
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    if mesh is None:
+        return None
+    return mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+
+
+def shard_frozen_target(
+    accelerator: Any, model: torch.nn.Module, layer_classes: list[str] | None = None
+) -> torch.nn.Module:
+    """Shard a frozen causal LM with FSDP2 over the processes that shard the drafter (in place).
+
+    Each decoder layer is its own FSDP unit, gathered for its forward and freed right after it
+    (whatever the config's ``reshard_after_forward``, which is for trained models: a frozen
+    target has no backward that would reuse the gathered weights). The input embedding and the
+    output head stay whole on every rank: the drafter and its loss use them outside the target's
+    forward (token embeddings at every TTT step, the labels' distribution from the last hidden
+    state), where FSDP would not gather a sharded weight. They are vocab x hidden each (for a
+    70B Llama about 3% of its weights). Every rank must then run the same number of target
+    forwards (accelerate's prepared loaders give every rank the same number of batches).
+
+    Args:
+        accelerator: the run's accelerator (FSDP, see :func:`setup_fsdp`).
+        model: the frozen target, on the CPU or already on the device; parameters move to the
+            device shard by shard.
+        layer_classes: class names of its decoder layers; empty/None: ``_no_split_modules``.
+
+    Returns:
+        ``model`` itself (its class becomes ``FSDP<Class>``; it is not checkpointed).
+
+    Raises:
+        UsageError: no module of the target has one of those class names.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from draftsmith.train.errors import UsageError
+
+    names = list(layer_classes or getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise UsageError(
+            f"fsdp_transformer_layer_cls_to_wrap: the target ({type(model).__name__}) has no "
+            f"module of class {names or '(none given)'}; set it to the target's decoder layer "
+            "class in the accelerate config (LlamaDecoderLayer for Llama/SmolLM2, "
+            "Qwen2DecoderLayer for Qwen2, ...)"
+        )
+    plugin = accelerator.state.fsdp_plugin
+    offload = plugin.cpu_offload
+    if accelerator.device.type == "cpu" or not isinstance(offload, CPUOffloadPolicy):
+        offload = None  # nothing to offload to on CPU processes
+    kwargs: dict[str, Any] = {"mesh": fsdp_mesh(accelerator), "reshard_after_forward": True}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    whole = [model.get_input_embeddings(), model.get_output_embeddings()]
+    keep = {p for m in whole if m is not None for p in m.parameters()}
+    for module in whole:
+        if module is not None:
+            module.to(accelerator.device)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, ignored_params=keep, **kwargs)
+    return model
+
+
+def broadcast_module(model: torch.nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into every rank's ``model`` (in place).
+
+    What DDP does when it wraps a model, done before FSDP shards one: every rank then shards the
+    same weights, whatever each rank's random state was when it built the model.
+    """
+    if not distributed():
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(tensor.data, src=0)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of an FSDP2 model, on the CPU of rank 0 only.
+
+    Collective: every rank must call it; ranks other than 0 get an empty dict.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
 
 
 def teardown(accelerator: Any, ok: bool) -> None:

@@ -5,7 +5,8 @@ holds what the loop shares with every other recipe::
 
     with TrainRun(cfg, recipe="eagle", kind="eagle3", outputs=["drafter"]) as run:
         accelerator = run.accelerator
-        ...                                   # target, data, drafter, optimizer, prepare
+        target = run.place_target(target)     # on the device; sharded under an FSDP config
+        ...                                   # data, drafter, optimizer, run.prepare(...)
         run.resume()                          # newest good checkpoint -> run.state, run.position
         step = run.state.step
         while not run.finished(step, total):
@@ -26,16 +27,23 @@ holds what the loop shares with every other recipe::
 
 Leaving the ``with`` block tears the processes down (barrier, ``destroy_process_group``),
 restores the signal handlers and releases the output lock, also after an error.
+
+Under an FSDP accelerate config (``recipes/accelerate/fsdp_*.yaml``, recipes that pass
+``fsdp=True``) the drafter is sharded by accelerate's FSDP2 plugin, the frozen target by
+:meth:`TrainRun.place_target`, and trained models are saved through :meth:`TrainRun.full_model`;
+docs/scaling.md has the whole picture.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +54,16 @@ from draftsmith.train.config import config_to_dict, dump_config
 from draftsmith.train.core import checkpoint as ckpt
 from draftsmith.train.core.config import TrainConfig
 from draftsmith.train.core.data import DataPosition, check_inputs
-from draftsmith.train.core.dist import any_rank, keep_alive, start_processes, teardown
+from draftsmith.train.core.dist import (
+    any_rank,
+    broadcast_module,
+    full_state_dict,
+    keep_alive,
+    setup_fsdp,
+    shard_frozen_target,
+    start_processes,
+    teardown,
+)
 from draftsmith.train.core.stop import NonFiniteError, StopSignals, is_finite
 from draftsmith.train.errors import RunError, UsageError
 from draftsmith.train.runinfo import finite_json
@@ -64,10 +81,14 @@ class TrainRun:
         outputs: the recipe's final outputs under ``output_dir`` (deleted by ``overwrite``, and
             their presence means the dir holds a run).
         find_unused_parameters: DDP option (Medusa-2's warm-up leaves the adapters unused).
+        fsdp: the recipe runs under an FSDP config (``distributed_type: FSDP``): it places its
+            frozen target with :meth:`place_target` (sharded) and saves trained models through
+            :meth:`full_model` (gathered). Other recipes refuse such a launch.
 
     Raises:
         UsageError: an input the config names (``cfg.input_paths()``) does not exist; the
-            message names the field, the path and the command that makes it.
+            message names the field, the path and the command that makes it. An FSDP launch
+            of a recipe without ``fsdp``, or with FSDP version 1.
     """
 
     def __init__(
@@ -78,6 +99,7 @@ class TrainRun:
         kind: str,
         outputs: Sequence[str],
         find_unused_parameters: bool = False,
+        fsdp: bool = False,
     ) -> None:
         from accelerate import Accelerator
         from accelerate.utils import (
@@ -111,6 +133,20 @@ class TrainRun:
                 DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
             ],
         )
+        # An FSDP config: accelerate shards the prepared drafter, place_target the frozen target.
+        try:
+            self._target_layers = setup_fsdp(self.accelerator)
+            self.fsdp = self._target_layers is not None
+            if self.fsdp and not fsdp:
+                raise UsageError(
+                    f"the {recipe} recipe does not run under FSDP (distributed_type: FSDP in the "
+                    "accelerate config): launch it with a DDP config (recipes/accelerate/"
+                    "cpu_2proc.yaml, multi_gpu.yaml); recipes/eagle.py supports FSDP"
+                )
+        except UsageError:
+            teardown(self.accelerator, ok=False)  # every rank raises the same; none waits
+            raise
+        self._plain: dict[int, torch.nn.Module] = {}  # FSDP: meta copies for full_model
         set_seed(cfg.seed)
         self.is_main = self.accelerator.is_main_process
         self.multi = self.accelerator.num_processes > 1
@@ -131,6 +167,7 @@ class TrainRun:
     def __enter__(self) -> TrainRun:
         try:
             self.on_main(self._claim_output, "claiming the output directory")
+            ckpt.check_shared_output(self.accelerator, self.out)
         except BaseException as exc:
             self.__exit__(type(exc), exc, None)
             raise
@@ -193,11 +230,55 @@ class TrainRun:
             raise RunError(f"{what} failed in the main process (see its message)")
         return result
 
+    def place_target(self, target: torch.nn.Module) -> torch.nn.Module:
+        """Put the frozen target on this process's device: whole, or sharded under FSDP.
+
+        FSDP: each decoder layer is sharded over the processes (see
+        :func:`~draftsmith.train.core.dist.shard_frozen_target`); its embedding and output head
+        stay whole. Call it before :meth:`prepare` and never prepare the target: it is not
+        trained and not checkpointed.
+        """
+        if self.fsdp:
+            return shard_frozen_target(self.accelerator, target, self._target_layers)
+        return target.to(self.accelerator.device)
+
     def prepare(self, *objects: Any) -> Any:
-        """``accelerator.prepare``, remembering the wrapped objects (DDP models) for teardown."""
+        """``accelerator.prepare``, remembering the wrapped objects (DDP models) for teardown.
+
+        Under FSDP (one model per call, with its optimizer) every rank's model first gets rank
+        0's weights, and the main process keeps a copy of it on the meta device, which
+        :meth:`full_model` fills to save it.
+        """
+        for obj in objects:
+            if self.fsdp and isinstance(obj, torch.nn.Module):
+                broadcast_module(obj)  # every rank shards rank 0's weights (as DDP syncs them)
+                if self.is_main:
+                    self._plain[id(obj)] = copy.deepcopy(obj).to("meta")
         prepared = self.accelerator.prepare(*objects)
         self._prepared.append(prepared)
         return prepared
+
+    @contextlib.contextmanager
+    def full_model(self, model: torch.nn.Module) -> Iterator[torch.nn.Module | None]:
+        """The prepared ``model`` with all its weights, to save it (every process enters).
+
+        DDP or one process: the unwrapped model itself. FSDP: the full state dict is gathered
+        (collective) into the main process's plain copy, which is yielded there and emptied
+        again on exit; the other processes get None.
+        """
+        if not self.fsdp:
+            yield self.accelerator.unwrap_model(model)
+            return
+        state = full_state_dict(model)
+        if not self.is_main:
+            yield None
+            return
+        plain = self._plain[id(model)]
+        plain.load_state_dict(state, assign=True)
+        try:
+            yield plain
+        finally:
+            plain.to("meta")
 
     def init_trackers(self, name: str, job_type: str) -> None:
         """W&B (when ``report_to: wandb``); offline without an API key (``wandb sync`` later)."""
@@ -466,6 +547,7 @@ class TrainRun:
             "resumed_from": self.resumed_from,
             "train_seconds": round(time.monotonic() - self.started, 1),
             "processes": self.accelerator.num_processes,
+            "distributed": "fsdp" if self.fsdp else ("ddp" if self.multi else "none"),
             "skipped_nonfinite": self.state.skipped_nonfinite,
             "best": self.state.best,
             "validation": self.state.validation,

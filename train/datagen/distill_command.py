@@ -4,10 +4,14 @@ Launch::
 
     draftsmith data distill --input ../shared/data/alpaca_2k.jsonl --output data/alpaca_sd.jsonl
     python -m draftsmith.train.datagen.distill_command --output out.jsonl --temperature 0.7 --seed 1
+    draftsmith data distill --endpoint http://127.0.0.1:8000 --concurrency 16 --output sd.jsonl
 
 The records are read and their split chosen (``--split auto``: the ``train`` split when they
 carry split information, else all) before the target is loaded, so a typo fails in a second; the
 run itself, its output format and how it resumes are :mod:`~draftsmith.train.datagen.self_distill`.
+With ``--endpoint`` the answers come from an OpenAI-compatible server instead
+(:mod:`~draftsmith.train.datagen.endpoint_distill`); the server is checked (reachable, serving
+``--model``) before anything else, and only the target's tokenizer is loaded (``--target``).
 """
 
 from __future__ import annotations
@@ -15,17 +19,25 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from draftsmith.heads.sampling import SamplingParams, sampling_problems
-from draftsmith.train.config import cfg_field, parse_config
+from draftsmith.train.config import as_list, cfg_field, parse_config
 from draftsmith.train.data.files import DataFileError
 from draftsmith.train.data.prompts import DEFAULT_PROMPTS
-from draftsmith.train.data.records import SHAPES, load_records, select_split
+from draftsmith.train.data.records import SHAPES, Conversation, load_records, select_split
+from draftsmith.train.datagen.endpoint import EndpointClient, ServerInfo
+from draftsmith.train.datagen.endpoint_distill import TEMPLATE_MODES
 from draftsmith.train.datagen.generation import device_problems, resolve_device
 from draftsmith.train.datagen.resumable import meta_file
-from draftsmith.train.datagen.self_distill import check_meta, resolve_split, self_distill
+from draftsmith.train.datagen.self_distill import (
+    DistillStats,
+    check_meta,
+    resolve_split,
+    self_distill,
+)
 from draftsmith.train.errors import cli_main
 from draftsmith.train.runinfo import output_lock
 
@@ -77,6 +89,28 @@ class SelfDistillConfig:
     overwrite: bool = cfg_field(False, help="start again even when the output exists")
     threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
     progress: bool = cfg_field(True, help="show a progress bar")
+    endpoint: str | None = cfg_field(
+        None,
+        help="answer through this OpenAI-compatible server (vLLM, SGLang, TGI), e.g. "
+        "http://127.0.0.1:8000, instead of loading the target here (--dtype, --device, "
+        "--batch-size, --threads then do not apply; --target gives the tokenizer)",
+    )
+    model: str | None = cfg_field(
+        None, help="the served model name (--endpoint); default: the one model the server lists"
+    )
+    concurrency: int = cfg_field(8, help="requests in flight at once (--endpoint)", ge=1)
+    template: str = cfg_field(
+        "ours",
+        help="--endpoint prompts: ours = our chat template rendered to token ids "
+        "(/v1/completions; vLLM, SGLang), server = messages to /v1/chat/completions",
+        choices=list(TEMPLATE_MODES),
+    )
+    request_timeout: float = cfg_field(
+        600.0, help="seconds one request may take (--endpoint)", gt=0
+    )
+    max_retries: int = cfg_field(
+        5, help="retries of a request after a transient error (--endpoint)", ge=0
+    )
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
@@ -90,6 +124,11 @@ class SelfDistillConfig:
         if self.shape == "text":
             problems.append(("shape", "text records have no turns to answer"))
         problems += device_problems(self.device)
+        if self.endpoint is None:
+            if self.model is not None:
+                problems.append(("model", "only with --endpoint (the served model name)"))
+            if self.template != "ours":
+                problems.append(("template", "only with --endpoint"))
         return problems
 
 
@@ -134,6 +173,18 @@ def _main_distill(argv: list[str]) -> int:
         "limit": cfg.limit,
         "target": cfg.target,
     }
+    client = server = None
+    if cfg.endpoint is not None:
+        client = EndpointClient(
+            cfg.endpoint, timeout=cfg.request_timeout, max_retries=cfg.max_retries
+        )
+        # Unreachable, or not serving --model: one line now, before anything is written.
+        server = client.connect(cfg.model)
+        context = f", context {server.max_model_len}" if server.max_model_len else ""
+        print(
+            f"endpoint: {server.url}, model {server.model!r}{context}, template {cfg.template}",
+            file=sys.stderr,
+        )
     # Taken before the model load: a second run into this output is refused at once.
     with output_lock(cfg.output, "distill run"):
         # A resume with other settings fails here, before the model load (self_distill checks
@@ -142,7 +193,13 @@ def _main_distill(argv: list[str]) -> int:
         if cfg.output.exists() and not cfg.overwrite and meta_path.exists():
             early = {**meta, "turns": cfg.turns, "max_new_tokens": cfg.max_new_tokens}
             early.update(seed=cfg.seed, temperature=cfg.temperature, top_k=cfg.top_k)
+            if server is not None:
+                early.update(backend="endpoint", template_mode=cfg.template, model=server.model)
             check_meta(meta_path, {**early, "top_p": cfg.top_p})
+        if server is not None:
+            stats = _distill_endpoint(cfg, client, server, conversations, meta)
+            _print_summary(cfg, stats, endpoint=True)
+            return 0
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_target(
@@ -167,13 +224,73 @@ def _main_distill(argv: list[str]) -> int:
             meta=meta,
             lock=False,
         )
+    _print_summary(cfg, stats, endpoint=False)
+    return 0
+
+
+def _distill_endpoint(
+    cfg: SelfDistillConfig,
+    client: EndpointClient,
+    server: ServerInfo,
+    conversations: list[Conversation],
+    meta: dict[str, Any],
+) -> DistillStats:
+    """The ``--endpoint`` run: our tokenizer and end-of-turn ids, the server's answers."""
+    from draftsmith.train.datagen.endpoint_distill import endpoint_distill
+    from draftsmith.train.target.load import load_tokenizer, prepare_target
+
+    path = prepare_target(cfg.target, cache_dir=cfg.cache_dir, quiet=True)
+    tokenizer = load_tokenizer(path)
+    return endpoint_distill(
+        client,
+        server,
+        tokenizer,
+        conversations,
+        cfg.output,
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
+        seed=cfg.seed,
+        turns=cfg.turns,
+        template=cfg.template,
+        concurrency=cfg.concurrency,
+        eos_token_ids=_generation_eos(path),
+        overwrite=cfg.overwrite,
+        progress=cfg.progress,
+        meta=meta,
+        lock=False,
+    )
+
+
+def _generation_eos(path: Path) -> list[int]:
+    """The target's ``generation_config.eos_token_id`` (the HF path stops at these too)."""
+    from transformers import GenerationConfig
+
+    try:
+        return [int(t) for t in as_list(GenerationConfig.from_pretrained(path).eos_token_id)]
+    except (OSError, ValueError, TypeError):
+        return []  # no generation config: the tokenizer's EOS only
+
+
+def _print_summary(cfg: SelfDistillConfig, stats: DistillStats, *, endpoint: bool) -> None:
     total = stats.already_done + stats.written
     lines = [
         f"{cfg.output}: {total} of {stats.selected} records complete "
         f"({stats.written} written now, {stats.already_done} already there)",
         f"generated {stats.generated_tokens} tokens in {stats.seconds:.1f} s "
-        f"({stats.tokens_per_second:.1f} tok/s); {stats.truncated} records hit max_new_tokens",
+        f"({stats.tokens_per_second:.1f} tok/s) for prompts of {stats.prompt_tokens} tokens; "
+        f"{stats.truncated} records hit max_new_tokens",
     ]
+    if endpoint:
+        lines.append(
+            f"{stats.token_mismatches} of {stats.checked_turns} generated turns did not "
+            "re-tokenize to the server's prompt + answer ids"
+        )
+        if stats.unchecked_turns:
+            lines.append(
+                f"{stats.unchecked_turns} turns not checked: the server returns no token ids"
+            )
+        if stats.retries:
+            lines.append(f"{stats.retries} requests retried after transient errors")
     if stats.discarded_partial_line:
         lines.append("a half-written last line from an interrupted run was discarded")
     if stats.empty_answers:
@@ -181,7 +298,6 @@ def _main_distill(argv: list[str]) -> int:
     if stats.skipped:
         lines.append("not written: " + ", ".join(f"{r}: {n}" for r, n in stats.skipped.items()))
     print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ class PromptsConfig:
         None, help="system prompt before the user turn (steers topics; kept in the records)"
     )
     target: str | None = cfg_field(
-        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+        None,
+        help="target: a Hugging Face Hub id, a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct",
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     dtype: str = cfg_field(

@@ -3,8 +3,9 @@
 ``draftsmith evaluate`` writes one entry per prompt and method (:func:`prompt_entry`) holding the
 raw counters of its runs, so every summary figure (:func:`~draftsmith.train.decoding.metrics.
 summarize`) can be recomputed from the file: :func:`merge_results` merges the files of shards of
-one run exactly. A greedy output that differs from plain decoding is explained by the target's
-logit gap where they part (:func:`divergence`): a near-tie in bf16, or a bug.
+one run exactly (keeping each shard's ``machine_load`` under ``shards``, busy if any was). A
+greedy output that differs from plain decoding is explained by the target's logit gap where
+they part (:func:`divergence`): a near-tie in bf16, or a bug.
 """
 
 from __future__ import annotations
@@ -210,4 +211,8 @@ def merge_results(paths: list[Path]) -> dict:
     for key in ("command", "versions", "git_commit", "machine"):
         if key in first:
             out[key] = first[key]
+    # Each shard's load record: a busy shard makes the merged timings unreliable too.
+    loads = [data["machine_load"] for _, data, _ in loaded if data.get("machine_load")]
+    if loads:
+        out["machine_load"] = {"shards": loads, "busy": any(ld.get("busy") for ld in loads)}
     return out

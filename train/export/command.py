@@ -28,6 +28,15 @@ free space is checked against the export's size first.
 
 Errors: exit 2 for a bad checkpoint, format or flag (:class:`ExportError`), exit 1 when the export
 cannot be written (non-finite weights, disk full).
+
+The target an export names (the speculators ``verifier.name_or_path``, the Medusa
+``base_model_name_or_path``, every model card) is ``--target`` when given, else the target the
+training run recorded (its ``training_metrics.json`` config, the Medusa heads' or the draft's
+metadata), else the default; it is written as
+:func:`~draftsmith.train.target.load.describe_target` names it: a Hub id as given (also when the
+run loaded it from its Hub cache snapshot), not this machine's cache path, so ``vllm serve`` on
+another machine finds it; the default SmolLM2 (a dequantized GGUF) as its local directory with a
+``target_note`` and ``original_model`` in ``draftsmith_export.json`` and the model card.
 """
 
 from __future__ import annotations
@@ -106,7 +115,8 @@ class ExportConfig:
     out: Path = cfg_field(help="export directory (replaced atomically; see --overwrite)")
     target: str | None = cfg_field(
         None,
-        help="the target (verifier) name or path recorded in the export; default: the local "
+        help="the target (verifier) recorded in the export: a Hub id (kept as given), a local "
+        "dir or .gguf; default: the target the training run recorded, else the local "
         "SmolLM2-135M-Instruct the recipes train on",
     )
     speculative_tokens: int = cfg_field(3, help="EAGLE: draft tokens per step to advertise")
@@ -138,7 +148,7 @@ def export(cfg: ExportConfig) -> Path:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         cfg.dtype or ""
     )
-    target = cfg.target or _default_target()
+    target = export_target(cfg.target, Path(cfg.checkpoint))
     if cfg.format in ("speculators", "eagle3", "eagle"):
         from draftsmith.train.export import eagle as export_eagle
 
@@ -174,7 +184,7 @@ def export(cfg: ExportConfig) -> Path:
 
     if dtype is not None:
         raise ExportError("dtype: the hf export keeps the draft's own dtype")
-    return export_hf(cfg.checkpoint, cfg.out, overwrite=cfg.overwrite)
+    return export_hf(cfg.checkpoint, cfg.out, overwrite=cfg.overwrite, target_name_or_path=target)
 
 
 def _refuse_existing(cfg: ExportConfig) -> None:
@@ -184,10 +194,80 @@ def _refuse_existing(cfg: ExportConfig) -> None:
         raise OutputExistsError(f"out: {cfg.out} exists; pass --overwrite to replace it")
 
 
-def _default_target() -> str:
-    from draftsmith.train.target.load import prepare_target
+def export_target(given: str | None, checkpoint: Path) -> str:
+    """The target name an export records (see the module docstring).
 
-    return str(prepare_target(quiet=True))
+    Args:
+        given: ``--target``, or None.
+        checkpoint: the checkpoint being exported; its run's metadata is read when ``given`` is
+            None.
+
+    Returns:
+        :func:`~draftsmith.train.target.load.describe_target`'s name of the given target, else
+        of the recorded one, else of the default target. Nothing is downloaded or converted.
+    """
+    from draftsmith.train.target.load import describe_target
+
+    if given is not None:
+        return describe_target(given)["target"]
+    recorded, cache_dir = recorded_target(checkpoint)
+    return describe_target(recorded, cache_dir=cache_dir)["target"]
+
+
+def recorded_target(checkpoint: Path) -> tuple[str | None, str | None]:
+    """The target (as the user gave it) and cache root the training run of ``checkpoint`` used.
+
+    Looks for the recipe's ``training_metrics.json`` beside the checkpoint or in its parent (the
+    run's ``output_dir``), then for the Medusa heads' ``target_name_or_path`` and the draft's
+    ``draftsmith_draft.json``. ``(None, None)`` means the default target (also when nothing
+    was recorded).
+    """
+    import json
+
+    def read(path: Path) -> dict:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    for place in (checkpoint, checkpoint.parent):
+        config = read(place / "training_metrics.json").get("config")
+        if isinstance(config, dict):
+            return config.get("target"), config.get("cache_dir")
+    for place in (checkpoint, checkpoint / "heads", checkpoint / "draft"):
+        recorded = read(place / "config.json").get("target_name_or_path")
+        recorded = recorded or read(place / "draftsmith_draft.json").get("target")
+        if recorded:
+            return str(recorded), None
+    return None, None
+
+
+def target_facts(name: str | None) -> dict[str, str]:
+    """:func:`~draftsmith.train.target.load.describe_target` of an exporter's target name.
+
+    Exporters call it on the name they are given (idempotent: a name it returned maps to
+    itself), so library calls name targets as the CLI does. ``{}`` for None.
+    """
+    if not name:
+        return {}
+    from draftsmith.train.target.load import describe_target
+
+    return describe_target(name)
+
+
+def target_card_lines(facts: dict[str, str]) -> list[str]:
+    """Model-card paragraph on a target that is not the original model's weights (or none)."""
+    if not facts.get("target_note"):
+        return []
+    original = facts.get("original_model")
+    also = (
+        f" The original model is `{original}` on the Hugging Face Hub; a server may load it "
+        "instead, but every figure here was measured against the dequantized weights."
+        if original
+        else ""
+    )
+    return ["", f"**Note on the target:** {facts['target_note']}.{also}"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,7 @@ from draftsmith.train.export.command import (
     ExportError,
     MissingCheckpointError,
     check_finite,
+    target_facts,
     tensor_bytes,
 )
 from draftsmith.train.export.eagle_card import INFO_FILE, model_card, provenance
@@ -79,6 +80,7 @@ from draftsmith.train.export.eagle_config import (
     eagle3_config,
     export_format,
     speculators_config,
+    verifier_architectures_of,
 )
 from draftsmith.train.runinfo import json_text, staged_dir
 
@@ -255,8 +257,11 @@ def _export(
         raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     want = _resolve_dtype(dtype, state)
     config = make_config(cfg, want)
-    info = provenance(src, metrics_json)
-    target = target_name or (info.get("training") or {}).get("target") or "the target model"
+    # The target as a server elsewhere finds it (a Hub id, not this machine's cache path), and
+    # a note when its weights are not the original model's (the default's dequantized GGUF).
+    facts = target_facts(target_name)
+    info = {**provenance(src, metrics_json), **facts}
+    target = facts.get("target") or (info.get("training") or {}).get("target") or "the target model"
 
     tensors: dict[str, torch.Tensor] = {}
     for name, value in state.items():
@@ -308,9 +313,11 @@ def export_speculators(
             ``drafter/``).
         out_dir: destination directory; written atomically.
         verifier_name_or_path: the target as vLLM should load it (HF id or path); ``vllm serve
-            <out_dir>`` starts this model.
+            <out_dir>`` starts this model. Recorded as
+            :func:`~draftsmith.train.target.load.describe_target` names it: a Hub cache
+            snapshot directory becomes its Hub id.
         verifier_architectures: the target's architectures (default: read from a local
-            verifier directory, else ``["LlamaForCausalLM"]``).
+            verifier directory or the Hub cache, else ``["LlamaForCausalLM"]``).
         speculative_tokens: k, vLLM's ``num_speculative_tokens`` when served from the config.
         dtype: weight dtype of the export (default: as saved); ``d2t``/``t2d`` keep theirs.
         metrics_json: an evaluation results file for the model card's τ (default: searched
@@ -330,6 +337,11 @@ def export_speculators(
     """
     if speculative_tokens < 1:
         raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    # Read from the directory as given, before it is renamed to a Hub id.
+    verifier_architectures = verifier_architectures or verifier_architectures_of(
+        verifier_name_or_path
+    )
+    verifier_name_or_path = target_facts(verifier_name_or_path)["target"]
 
     def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
         if cfg.version != 3:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.heads.eagle import EagleConfig
-from draftsmith.train.export.command import ExportError
+from draftsmith.train.export.command import ExportError, target_card_lines
 from draftsmith.train.export.eagle_config import CONFIG_FILE, read_json
 
 __all__ = ["INFO_FILE", "model_card", "provenance"]
@@ -146,7 +146,11 @@ def _usage(fmt: str, target: str, k: int) -> list[str]:
 
 
 def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k: int) -> str:
-    """README.md: what the drafter is for, how it was trained, τ if measured, how to serve."""
+    """README.md: what the drafter is for, how it was trained, τ if measured, how to serve.
+
+    ``info`` is :func:`provenance` plus the target's ``target_note`` / ``original_model``
+    (:func:`~draftsmith.train.export.command.target_facts`) when it has them.
+    """
     training = info.get("training") or {}
     evaluation = info.get("evaluation")
     if evaluation:
@@ -166,6 +170,11 @@ def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k:
         )
     rows = [
         ("target", f"`{target}`"),
+        *(
+            [("original model", f"`{info['original_model']}`")]
+            if info.get("original_model")
+            else []
+        ),
         ("training data", _fmt(training.get("data"))),
         ("training steps", _fmt(training.get("steps"))),
         ("EAGLE version", str(cfg.version)),
@@ -191,6 +200,7 @@ def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k:
         "(sampling). It reads the target's hidden states and shares the target's token "
         "embedding" + (" and output head" if cfg.version == 1 else "") + ", so it only works "
         "with that target.",
+        *target_card_lines(info),
         "",
         "| | |",
         "|---|---|",

@@ -38,6 +38,7 @@ __all__ = [
     "export_format",
     "read_json",
     "speculators_config",
+    "verifier_architectures_of",
 ]
 
 #: The vllm-project/speculators release whose config classes this export follows (v0.7.0:
@@ -102,9 +103,19 @@ def _llama_fields(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
     }
 
 
-def _verifier_architectures(name_or_path: str) -> list[str]:
-    """``architectures`` of a local verifier directory; Llama when it cannot be read."""
+def verifier_architectures_of(name_or_path: str) -> list[str]:
+    """``architectures`` of a local verifier directory, or of a Hub id's config in the Hub
+    cache (nothing is downloaded); Llama when neither can be read."""
     config = read_json(Path(os.path.expanduser(name_or_path)) / CONFIG_FILE)
+    if not isinstance(config, dict) and "/" in name_or_path:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(name_or_path, CONFIG_FILE)
+        except Exception:  # not a valid repo id: no cached config
+            cached = None
+        if isinstance(cached, str):
+            config = read_json(Path(cached))
     if isinstance(config, dict) and config.get("architectures"):
         return list(config["architectures"])
     return ["LlamaForCausalLM"]
@@ -146,7 +157,7 @@ def speculators_config(
             "verifier": {
                 "name_or_path": verifier_name_or_path,
                 "architectures": verifier_architectures
-                or _verifier_architectures(verifier_name_or_path),
+                or verifier_architectures_of(verifier_name_or_path),
             },
         },
         "dtype": dtype_name(dtype),

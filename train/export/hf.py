@@ -33,6 +33,8 @@ from draftsmith.train.export.command import (
     ExportError,
     MissingCheckpointError,
     check_finite,
+    target_card_lines,
+    target_facts,
     tensor_bytes,
 )
 from draftsmith.train.runinfo import OutputExistsError, json_text, staged_dir
@@ -56,7 +58,8 @@ def model_card(info: dict[str, Any], out_name: str = "<this directory>") -> str:
     """The README.md of a draft directory.
 
     Args:
-        info: what is known about the draft; keys used when present: ``target``, ``data``,
+        info: what is known about the draft; keys used when present: ``target`` (with
+            ``target_note`` / ``original_model`` for a converted GGUF target), ``data``,
             ``init`` (e.g. ``"pruned [0]"``), ``loss``, ``steps``, ``compute_ratio``,
             ``num_layers``, ``validation`` (``{"before": {...}, "after": {...}}`` with
             ``expected_acceptance``, ``greedy_agreement``, ``tokens``).
@@ -79,10 +82,16 @@ def model_card(info: dict[str, Any], out_name: str = "<this directory>") -> str:
         "sharing its tokenizer. Use it as the draft (assistant) model: the target verifies every "
         "proposed token, so outputs are exactly the target's (greedy) or follow the target's "
         "distribution (sampling).",
+        *target_card_lines(info),
         "",
         "| | |",
         "|---|---|",
         f"| target | `{target}` |",
+        *(
+            [f"| original model | `{info['original_model']}` |"]
+            if info.get("original_model")
+            else []
+        ),
         f"| initialisation | {_fmt(info.get('init'))} |",
         f"| decoder layers | {_fmt(info.get('num_layers'))} |",
         f"| compute per token vs target | {_fmt(info.get('compute_ratio'))} |",
@@ -189,6 +198,7 @@ def export_hf(
     *,
     tokenizer_src: str | Path | None = None,
     overwrite: bool = False,
+    target_name_or_path: str | None = None,
 ) -> Path:
     """Export a trained draft as a standalone HF model directory, checked by reloading it.
 
@@ -199,6 +209,9 @@ def export_hf(
         tokenizer_src: where to take the tokenizer from (default: ``src_dir``); give the target's
             directory when the source has none.
         overwrite: replace an existing ``out_dir``.
+        target_name_or_path: the target the card names (default: the one the draft's
+            ``draftsmith_draft.json`` records); either is named as
+            :func:`~draftsmith.train.target.load.describe_target` names it.
 
     Returns:
         ``out_dir`` as a Path.
@@ -246,6 +259,10 @@ def export_hf(
     info_file = src / INFO_FILE
     info = _read_info(info_file)
     info.setdefault("num_layers", model.config.num_hidden_layers)
+    if target_name_or_path:  # a note recorded for the training target is not this one's
+        for key in ("target_note", "original_model", "target_revision"):
+            info.pop(key, None)
+    info.update(target_facts(target_name_or_path or info.get("target")))
     info["exported_from"] = str(src)
     save_draft(model, tokenizer, out, info=info, overwrite=overwrite)
     # Check the export really is the same model (not merely loadable): same logits, bit for bit.

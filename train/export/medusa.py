@@ -25,7 +25,10 @@ L layers share one weight. Heads with L > 1 distinct layers cannot be written in
 Both exports are written to a temporary directory beside ``out_dir`` and moved into place
 (:func:`~draftsmith.train.runinfo.staged_dir`: free space checked first, readable by other
 users, dead writers' temp dirs removed), so ``out_dir`` never holds a half-written export.
-Heads holding NaN or inf are refused. Each gets a short README.md.
+Heads holding NaN or inf are refused. Each gets a short README.md and a
+``draftsmith_export.json`` (format, source, the target as
+:func:`~draftsmith.train.target.load.describe_target` names it, with ``target_note`` /
+``original_model`` for a converted GGUF target).
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ from draftsmith.train.export.command import (
     ExportError,
     MissingCheckpointError,
     check_finite,
+    target_card_lines,
+    target_facts,
     tensor_bytes,
 )
+from draftsmith.train.export.eagle_card import INFO_FILE
 from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
@@ -148,7 +154,8 @@ def export_medusa_vllm(
         NonFiniteError: a tensor holds NaN or inf.
     """
     src_dir, heads, src_config = _load_heads(Path(src_dir))
-    target = target_name_or_path or src_config.get("target_name_or_path")
+    facts = target_facts(target_name_or_path or src_config.get("target_name_or_path"))
+    target = facts.get("target")
     tensors = _tensors(heads, dtype)
     if heads.share_lm_head:
         # vLLM's original_lm_head: one projection for all heads, loaded from lm_heads.0.weight.
@@ -174,10 +181,10 @@ def export_medusa_vllm(
     readme = _readme(
         "vLLM Medusa",
         heads,
-        target,
+        facts,
         src_config,
         serve=(
-            "```\nvllm serve <target> --speculative-config "
+            f"```\nvllm serve {target or '<target>'} --speculative-config "
             f'\'{{"method": "medusa", "model": "<this dir>", "num_speculative_tokens": '
             f"{heads.num_heads}}}'\n```\n\nvLLM drafts a chain (top-1 of each head).\n"
         ),
@@ -189,6 +196,7 @@ def export_medusa_vllm(
         save_file(tensors, str(tmp / VLLM_WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
         (tmp / "README.md").write_text(readme)
+        _write_info(tmp, "medusa-vllm", src_dir, facts)
 
     return _atomic_dir(Path(out_dir), tensors, write)
 
@@ -213,6 +221,8 @@ def export_medusa_original(
             one ResBlock across a head's layers; see the module docstring).
     """
     src_dir, heads, src_config = _load_heads(Path(src_dir))
+    facts = target_facts(str(base_model_name_or_path))
+    base_model_name_or_path = facts["target"]
     if heads.num_layers != 1:
         raise ExportError(
             f"the original Medusa layout repeats ONE ResBlock per head ([ResBlock] * layers), so "
@@ -240,7 +250,7 @@ def export_medusa_original(
     readme = _readme(
         "original Medusa (FasterDecoding/Medusa)",
         heads,
-        base_model_name_or_path,
+        facts,
         src_config,
         serve="Load with the Medusa repository's `MedusaModel.from_pretrained(<this dir>)`, or "
         "TGI / TensorRT-LLM's Medusa support, which read the same files.\n",
@@ -252,13 +262,26 @@ def export_medusa_original(
         save_file(tensors, str(tmp / ORIGINAL_WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
         (tmp / "README.md").write_text(readme)
+        _write_info(tmp, "medusa", src_dir, facts)
 
     return _atomic_dir(Path(out_dir), tensors, write)
 
 
+def _write_info(tmp: Path, fmt: str, src_dir: Path, facts: dict[str, str]) -> None:
+    """``draftsmith_export.json``: the format, the source and the target facts."""
+    info = {"format": fmt, "source": str(src_dir), **facts}
+    (tmp / INFO_FILE).write_text(json_text(info, indent=2) + "\n")
+
+
 def _readme(
-    layout: str, heads: MedusaHeads, target: Any, src_config: dict[str, Any], serve: str
+    layout: str,
+    heads: MedusaHeads,
+    facts: dict[str, str],
+    src_config: dict[str, Any],
+    serve: str,
 ) -> str:
+    target = facts.get("target") or "it was trained for"
+    note = "\n".join(target_card_lines(facts)).strip()
     stage = src_config.get("stage", "medusa1")
     lossless = (
         "Medusa-2: the heads were trained jointly with LoRA adapters on the target; they must be "
@@ -272,7 +295,8 @@ def _readme(
     return (
         f"# Medusa heads ({layout} layout)\n\n"
         f"Trained with draftsmith for the target `{target}`.\n\n"
-        f"- heads: {heads.num_heads} (head k predicts the token k+2 positions after the hidden "
+        + (f"{note}\n\n" if note else "")
+        + f"- heads: {heads.num_heads} (head k predicts the token k+2 positions after the hidden "
         f"state's position)\n- residual layers per head: {heads.num_layers}\n"
         f"- hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}\n"
         f"- lm_head shared with the target: {heads.share_lm_head}\n\n"

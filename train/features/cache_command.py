@@ -1,8 +1,16 @@
-"""The ``draftsmith data cache`` command: load the target and data, then build the cache."""
+"""The ``draftsmith data cache`` command: load the target and data, then build the cache.
+
+``--backend hf`` (default) runs the target with transformers in this process; ``--backend vllm``
+runs it in a vLLM engine in its own environment
+(:mod:`draftsmith.train.features.vllm_backend`), writing the same cache format.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +23,7 @@ from draftsmith.train.data.vocab import load_token_data
 from draftsmith.train.errors import cli_main
 from draftsmith.train.features.cache_format import DTYPES, CacheError
 from draftsmith.train.features.cache_write import build_cache
-from draftsmith.train.features.source import default_layers
+from draftsmith.train.features.source import check_layers, default_layers, scan_token_data
 
 __all__ = ["CacheConfig", "main_cache", "run_cache"]
 
@@ -29,7 +37,8 @@ class CacheConfig:
     )
     out: Path = cfg_field(help="cache directory (resumes if it holds a partial cache)")
     target: str | None = cfg_field(
-        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+        None,
+        help="target: a Hugging Face Hub id, a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct",
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     layers: list[int] | None = cfg_field(
@@ -43,8 +52,25 @@ class CacheConfig:
     dtype: str = cfg_field("bf16", help="storage dtype", choices=list(DTYPES))
     target_dtype: str = cfg_field(
         "auto",
-        help="dtype the target computes in (auto: fp32 on CPU, bf16 on GPU)",
+        help="dtype the target computes in (auto: fp32 on CPU, bf16 on GPU; with --backend "
+        "vllm: vLLM's choice)",
         choices=["auto", *DTYPES],
+    )
+    backend: str = cfg_field(
+        "hf",
+        help="what runs the target: hf = transformers in this process; vllm = a vLLM engine in "
+        "its own environment (--vllm-python), same cache format",
+        choices=["hf", "vllm"],
+    )
+    vllm_python: str | None = cfg_field(
+        None,
+        help="--backend vllm: python of the vLLM environment (default: $DRAFTSMITH_VLLM_PYTHON, "
+        "else this python if it has vllm)",
+    )
+    vllm_engine_args: str | None = cfg_field(
+        None,
+        help="--backend vllm: more vllm.LLM arguments as a JSON object, e.g. "
+        '{"tensor_parallel_size": 4}',
     )
     device_map: str | None = cfg_field(
         None,
@@ -80,6 +106,30 @@ class CacheConfig:
             problems.append(("layers", f"must be one or more indices >= 0, got {self.layers}"))
         if self.device_map not in (None, *_DEVICE_MAPS):
             problems.append(("device_map", f"must be one of {list(_DEVICE_MAPS)} or unset"))
+        if self.backend == "vllm":
+            if self.device_map is not None:
+                problems.append(
+                    (
+                        "device_map",
+                        "is for --backend hf; vLLM spreads a target itself "
+                        "(--vllm-engine-args '{\"tensor_parallel_size\": N}')",
+                    )
+                )
+            if self.threads is not None:
+                problems.append(
+                    (
+                        "threads",
+                        "is for --backend hf; vLLM on CPU binds its own threads "
+                        "(VLLM_CPU_OMP_THREADS_BIND)",
+                    )
+                )
+        if self.vllm_engine_args is not None:
+            try:
+                ok = isinstance(json.loads(self.vllm_engine_args), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                problems.append(("vllm_engine_args", "must be a JSON object, e.g. '{}'"))
         return problems
 
 
@@ -125,17 +175,24 @@ def _main_cache(argv: list[str]) -> int:
 
 
 def run_cache(cfg: CacheConfig) -> dict[str, Any]:
-    """Load the target and data a :class:`CacheConfig` names and call :func:`build_cache`."""
-    from draftsmith.train.data.chat import template_fingerprint
+    """Load the target and data a :class:`CacheConfig` names and call :func:`build_cache`.
+
+    With ``backend="vllm"`` the target is a vLLM engine started for the run
+    (:func:`_vllm_target`) and shut down when the cache is built or the build fails.
+    """
     from draftsmith.train.target.load import load_target
 
     state = process_state()
-    if cfg.device_map is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
-        raise CacheError(
-            f"device_map={cfg.device_map!r} spreads the target over every visible device, so "
-            "run one process per machine (e.g. `accelerate launch --num_processes <machines>` "
-            "on several machines, or plain `draftsmith data cache` on one)"
-        )
+    for spreads, what in (
+        (cfg.device_map is not None, f"device_map={cfg.device_map!r}"),
+        (cfg.backend == "vllm", "--backend vllm"),
+    ):
+        if spreads and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+            raise CacheError(
+                f"{what} spreads the target over every visible device, so run one process per "
+                "machine (e.g. `accelerate launch --num_processes <machines>` on several "
+                "machines, or plain `draftsmith data cache` on one)"
+            )
     # The data first: a wrong path fails before the (slow) target load.
     data = load_token_data(cfg.data)
     if cfg.limit is not None:
@@ -146,19 +203,32 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
         compute = torch.bfloat16 if state.device.type == "cuda" else torch.float32
     else:
         compute = DTYPES[cfg.target_dtype]
-    model, tokenizer = load_target(
-        cfg.target,
-        cache_dir=cfg.cache_dir,
-        dtype=compute,
-        device=state.device,
-        device_map=cfg.device_map,
-        quiet=not state.is_main_process,
-    )
+    with contextlib.ExitStack() as stack:
+        if cfg.backend == "vllm":
+            model, tokenizer = stack.enter_context(_vllm_target(cfg, data, state))
+        else:
+            model, tokenizer = load_target(
+                cfg.target,
+                cache_dir=cfg.cache_dir,
+                dtype=compute,
+                device=state.device,
+                device_map=cfg.device_map,
+                quiet=not state.is_main_process,
+            )
+        summary = _build(cfg, model, tokenizer, data, state)
+    summary["is_main_process"] = state.is_main_process
+    return summary
+
+
+def _build(cfg: CacheConfig, model: Any, tokenizer: Any, data: Any, state: Any) -> dict[str, Any]:
+    """:func:`build_cache` for a loaded target (an HF model or a ``VllmTarget``)."""
+    from draftsmith.train.data.chat import template_fingerprint
+
     layers = cfg.layers or default_layers(cfg.preset, int(model.config.num_hidden_layers))
     eos = []
     for v in (tokenizer.eos_token_id, model.config.eos_token_id):
         eos += [v] if isinstance(v, int) else list(v or [])
-    summary = build_cache(
+    return build_cache(
         model,
         data,
         cfg.out,
@@ -175,6 +245,44 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
         overwrite=cfg.overwrite,
         progress=cfg.progress,
         state=state,
+        backend=model.backend if cfg.backend == "vllm" else None,
     )
-    summary["is_main_process"] = state.is_main_process
-    return summary
+
+
+@contextlib.contextmanager
+def _vllm_target(cfg: CacheConfig, data: Any, state: Any) -> Iterator[tuple[Any, Any]]:
+    """Start vLLM for the run: yield ``(VllmTarget, tokenizer)``; the engine stops on exit.
+
+    The data are scanned first (lengths, token ids within the vocabulary): a bad sample fails
+    in seconds, not after the engine's start, and the longest sample sizes vLLM's
+    ``max_model_len``.
+    """
+    from transformers import AutoConfig
+
+    from draftsmith.train.features.vllm_backend import vllm_target
+    from draftsmith.train.target.load import load_tokenizer, prepare_target
+
+    target_dir = prepare_target(
+        cfg.target, cache_dir=cfg.cache_dir, quiet=not state.is_main_process
+    )
+    tokenizer = load_tokenizer(target_dir)
+    config = AutoConfig.from_pretrained(target_dir)
+    num_layers = int(config.num_hidden_layers)
+    layers = check_layers(cfg.layers or default_layers(cfg.preset, num_layers), num_layers)
+    lengths, _ = scan_token_data(data, cfg.max_length, int(config.vocab_size))
+    if len(lengths) == 0:
+        raise CacheError("the tokenized data holds no samples")
+    with vllm_target(
+        target_dir,
+        layers,
+        python=cfg.vllm_python,
+        dtype=cfg.target_dtype,
+        # A request is the sample plus the one token vLLM samples after it.
+        max_model_len=int(lengths.max()) + 1,
+        # vLLM requires max_num_batched_tokens >= max_num_seqs.
+        max_num_seqs=min(cfg.max_batch_size, cfg.batch_tokens),
+        max_num_batched_tokens=cfg.batch_tokens,
+        engine_args=json.loads(cfg.vllm_engine_args) if cfg.vllm_engine_args else None,
+        progress=cfg.progress and state.is_main_process,
+    ) as model:
+        yield model, tokenizer

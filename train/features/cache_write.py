@@ -27,7 +27,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,6 +113,7 @@ def build_cache(
     progress: bool = True,
     state: PartialState | None = None,
     on_shard_written: Callable[[int], None] | None = None,
+    backend: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the frozen target over tokenized data and write a hidden-state cache (resumable).
 
@@ -143,6 +144,11 @@ def build_cache(
         progress: show a progress bar (rank 0).
         state: accelerate state (default: :func:`~draftsmith.train.core.dist.process_state`).
         on_shard_written: called with the shard number after each shard this rank writes.
+        backend: what computes the target's forward when it is not this process's model: a
+            ``{"name": ...}`` mapping (e.g. ``VllmTarget.backend``, see
+            :mod:`draftsmith.train.features.vllm_backend`); recorded in the manifest
+            (``{"name": "hf"}`` when None), and its name joins the plan hash so a resume never
+            mixes two backends' shards.
 
     Returns:
         Summary: ``out``, ``process_index``, ``num_processes``, ``num_samples``,
@@ -206,6 +212,8 @@ def build_cache(
                 "batch_tokens": batch_tokens,
                 "max_batch_size": max_batch_size,
                 "shard_mb": shard_mb,
+                # Only for another backend: HF-built caches keep their plan hashes.
+                **({"backend": backend["name"]} if backend else {}),
             },
             sort_keys=True,
         ).encode()
@@ -304,6 +312,7 @@ def build_cache(
                 shard_mb,
                 draft_vocab_size,
                 always_include,
+                backend,
             )
         state.wait_for_everyone()
     return {
@@ -393,6 +402,7 @@ def _finalize(
     shard_mb: float,
     draft_vocab_size: int | None,
     always_include: Sequence[int],
+    backend: Mapping[str, Any] | None,
 ) -> None:
     """Rank 0, after every shard exists: index, ids, vocab stats, then the manifest."""
     from safetensors import safe_open
@@ -495,6 +505,7 @@ def _finalize(
             "shard_mb": shard_mb,
         },
         "versions": versions,
+        "backend": dict(backend) if backend else {"name": "hf"},
     }
     _write_json(out / MANIFEST_FILE, manifest, indent=2)
 

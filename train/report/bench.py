@@ -24,11 +24,12 @@ from draftsmith.train.report.text import (
     is_finite_number,
     markdown_table,
 )
-from draftsmith.train.runinfo import write_json_atomic
+from draftsmith.train.runinfo import busy_warning, write_json_atomic
 
 __all__ = [
     "RESULT_COLUMNS",
     "build_report",
+    "busy_warnings",
     "differs_from_plain",
     "drafter_family",
     "markdown",
@@ -308,8 +309,20 @@ def recommendation_text(rec: dict[str, Any]) -> str:
     return line
 
 
+def busy_warnings(report: dict[str, Any]) -> list[str]:
+    """The busy-machine warnings of the bench and of each evaluate run it read (docs/metrics.md:
+    other work's load of at least half the cores before or after a timed run)."""
+    found = [("bench", busy_warning(report.get("machine_load")))]
+    found += [
+        (f"T={entry['temperature']:g}", busy_warning(entry.get("machine_load")))
+        for entry in report.get("runs", [])
+    ]
+    return [f"{where}: {text}" for where, text in found if text]
+
+
 def markdown(report: dict[str, Any], plots: list[str]) -> str:
-    """The bench report as markdown (tables, recommendation, plots, provenance)."""
+    """The bench report as markdown (busy-machine warnings, tables, recommendation, plots,
+    provenance)."""
     b = report["bench"]
     lines = [
         "# draftsmith bench",
@@ -327,6 +340,9 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             f"- T={t:g} ({'greedy' if t == 0 else 'sampled'}): {entry['prompts_evaluated']} "
             f"prompts; results `{entry['results_file']}`"
         )
+    warnings = busy_warnings(report)
+    if warnings:
+        lines += ["", *(f"> **{text}**" for text in warnings)]
     lines += ["", "## Results", "", markdown_table(RESULT_COLUMNS, results_rows(report)), ""]
     lines += [
         "τ = tokens per target forward; α per position as vLLM counts it; speedup over plain "

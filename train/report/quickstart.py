@@ -22,9 +22,18 @@ __all__ = ["plan_lines", "summary_lines", "summary_markdown", "vllm_serve_comman
 
 def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
     """The ``vllm serve`` line for an EAGLE-3 speculators export (as scripts/vllm_check.py
-    builds ``speculative_config``: method, num_speculative_tokens, model)."""
+    builds ``speculative_config``: method, num_speculative_tokens, model).
+
+    The target is named as the export names its verifier
+    (:func:`~draftsmith.train.target.load.describe_target`): a Hub id stays one, and a Hub
+    cache snapshot directory (what a Hub id was loaded from) becomes its id again, so the line
+    also works on a machine with another cache; a local directory is its absolute path.
+    """
+    from draftsmith.train.target.load import describe_target
+
+    name = describe_target(str(target))["target"]
     spec = {"method": "eagle3", "num_speculative_tokens": k, "model": str(export)}
-    return shlex.join(["vllm", "serve", str(target), "--speculative-config", json.dumps(spec)])
+    return shlex.join(["vllm", "serve", name, "--speculative-config", json.dumps(spec)])
 
 
 def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:

