@@ -64,7 +64,8 @@ class SelfDistillConfig:
     limit: int | None = cfg_field(None, help="answer only the first N selected records")
     skip_invalid: bool = cfg_field(False, help="skip malformed input records (counted)")
     target: str | None = cfg_field(
-        None, help="target: a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct"
+        None,
+        help="target: a Hugging Face Hub id, a local HF model dir, a .gguf file, or None for SmolLM2-135M-Instruct",
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     dtype: str = cfg_field(
