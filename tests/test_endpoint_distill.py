@@ -407,7 +407,9 @@ def test_transient_errors_are_retried(tmp_path, tok, model):
             EndpointError, match=r"/v1/completions failed after 2 retries: HTTP 503"
         ):
             run(fake, tok, model, convs, tmp_path / "x.jsonl", concurrency=1, max_retries=2)
-        # A non-transient error is not retried; the server's message is passed on.
+    # A non-transient error is not retried; the server's message is passed on. A fresh server:
+    # a request of the failed run above may still be in flight and would take the 400 instead.
+    with FakeServer(tok, model_rule(model, tok)) as fake:
         fake.fail = [400]
         with pytest.raises(EndpointError, match="answered HTTP 400: fault 400"):
             run(fake, tok, model, convs, tmp_path / "y.jsonl", concurrency=1)
