@@ -6,6 +6,8 @@ Launch::
     python recipes/distill.py --data data/alpaca_sd.jsonl --draft-layers 0 --loss tvd --max-steps 200
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/distill.py \\
         --config recipes/configs/distill_smollm2.yaml
+    accelerate launch --config_file recipes/accelerate/fsdp_cpu_2proc.yaml recipes/distill.py \\
+        --config recipes/configs/distill_smollm2.yaml    # FSDP: target and draft sharded
 
 The frozen target supplies its next-token distribution p online (one no-grad forward per batch);
 the draft's q is trained towards it with a selectable divergence (forward KL, reverse KL, total
@@ -50,6 +52,7 @@ from draftsmith.train.core.data import (
     eos_ids,
     input_errors,
     load_samples,
+    rank_batches,
     split_indices,
     total_steps,
 )
@@ -268,21 +271,25 @@ def on_policy_batch(
 
 
 @torch.no_grad()
-def validate(draft, target, samples, cfg: DistillConfig, accelerator) -> dict[str, float]:
+def validate(
+    draft, target, samples, cfg: DistillConfig, accelerator, even: bool = False
+) -> dict[str, float]:
     """Loss, expected acceptance and greedy agreement on the validation samples, all ranks.
 
     Each rank scores every ``num_processes``-th sample; sums are reduced, so the figures are
-    token-weighted means over the whole validation split.
+    token-weighted means over the whole validation split. ``even``: every rank runs the same
+    number of batches (the target is sharded by FSDP: each of its forwards is a collective).
     """
     was_training = draft.training
     draft.eval()
     rank, world = accelerator.process_index, accelerator.num_processes
-    mine = [samples[i] for i in range(rank, len(samples), world)]
     sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
-    for start in range(0, len(mine), cfg.batch_size):
-        batch = collate_hidden_states(mine[start : start + cfg.batch_size], pad_token_id=0)
+    for indices, counted in rank_batches(len(samples), rank, world, cfg.batch_size, even=even):
+        batch = collate_hidden_states([samples[i] for i in indices], pad_token_id=0)
         batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         p, q, labels = batch_logits(draft, target, batch)
+        if not counted:
+            continue
         n = labels.numel()
         sums += torch.tensor(
             [
@@ -326,12 +333,12 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         recipe="distill",
         kind="distill",
         outputs=["draft", "metrics.json", "training_metrics.json"],
+        fsdp=True,
     ) as train_run:
         accelerator, say = train_run.accelerator, train_run.say
 
         # --- target, draft --------------------------------------------------------------------
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
-        target.to(accelerator.device)
         fresh = {
             "num_layers": cfg.fresh_layers,
             "hidden_size": cfg.fresh_hidden_size,
@@ -353,6 +360,8 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         except (ValueError, OSError) as exc:
             raise UsageError(f"draft: {exc}") from exc
         ratio = compute_ratio(draft, target)
+        # After the draft copied what it needs from the whole target: sharded under FSDP.
+        target = train_run.place_target(target)
         say(
             f"draft: {cfg.draft_init} {cfg.draft_layers if cfg.draft_init == 'pruned' else ''}, "
             f"{draft.config.num_hidden_layers} layers, {ratio:.3f}x the target's FLOPs per token"
@@ -412,12 +421,17 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             }
 
         def save_to(path: Path, validation: dict[str, Any] | None = None) -> None:
-            state_dict = accelerator.get_state_dict(draft)  # collective under FSDP
-            if accelerator.is_main_process:
-                save_draft(unwrapped, tokenizer, path, info=card(validation), state_dict=state_dict)
+            with train_run.full_model(draft) as model:  # FSDP: gathered, collective
+                if accelerator.is_main_process:
+                    save_draft(model, tokenizer, path, info=card(validation))
+
+        def validate_all() -> dict[str, float]:
+            # FSDP: the draft gathered whole on every rank, the sharded target run evenly.
+            with train_run.full_model(draft, everywhere=True) as model:
+                return validate(model, target, val_samples, cfg, accelerator, train_run.fsdp)
 
         def validation(step: int) -> dict[str, float]:
-            metrics = validate(unwrapped, target, val_samples, cfg, accelerator)
+            metrics = validate_all()
             tau = simulated_tau([metrics["greedy_agreement"]] * cfg.sim_k)
             logs = {f"val/{k}": v for k, v in metrics.items()}
             train_run.record_validation(step, logs, tau, partial(save_to, validation=metrics))
@@ -426,7 +440,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
 
         step = train_run.state.step
         if val_samples and "before" not in train_run.state.extra:
-            before = validate(unwrapped, target, val_samples, cfg, accelerator)
+            before = validate_all()
             train_run.state.extra["before"] = before
             accelerator.log({f"val/{k}": v for k, v in before.items()}, step=0)
             say(f"validation before training: {_fmt_metrics(before)}")
@@ -444,7 +458,18 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         while not train_run.finished(step, total):
             for batch in train_run.position.batches_of_epoch(accelerator, loader):
                 if is_on_policy_step(step, cfg.on_policy_fraction):
-                    batch = on_policy_batch(unwrapped, batch, cfg, pad_id, stop_ids)
+                    # FSDP: sampled by a whole copy on every rank (generation stops at EOS, so
+                    # ranks run different numbers of forwards). Seeded by seed, step and rank
+                    # apart from the global RNG: a resumed run samples what an unbroken one
+                    # would (a data loader started after a resume draws from the global RNG).
+                    cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
+                    with (
+                        train_run.full_model(draft, everywhere=True) as model,
+                        torch.random.fork_rng(devices=cuda),
+                    ):
+                        world, rank = accelerator.num_processes, accelerator.process_index
+                        torch.manual_seed(cfg.seed * 1_000_003 + step * world + rank)
+                        batch = on_policy_batch(model, batch, cfg, pad_id, stop_ids)
                 with accelerator.accumulate(draft):
                     p, q, labels = batch_logits(draft, target, batch)
                     loss = step_loss(cfg, p, q, labels)

@@ -6,6 +6,8 @@ Launch::
     python recipes/medusa.py --config recipes/configs/medusa2_smollm2.yaml --max-minutes 30
     accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/medusa.py \\
         --config recipes/configs/medusa1_smollm2.yaml            # 2 processes on CPU
+    accelerate launch --config_file recipes/accelerate/fsdp_cpu_2proc.yaml recipes/medusa.py \\
+        --config recipes/configs/medusa1_smollm2.yaml            # Medusa-1, FSDP (docs/scaling.md)
 
 Then evaluate and export::
 
@@ -54,6 +56,7 @@ from draftsmith.train.core.data import (
     check_enough_data,
     input_errors,
     load_samples,
+    rank_batches,
     split_indices,
     total_steps,
 )
@@ -180,36 +183,45 @@ class MedusaConfig(TrainConfig):
 
 
 @torch.no_grad()
-def validate_heads(accelerator, cfg, objective, val_set, collate, features) -> dict[str, Any]:
+def validate_heads(run, cfg, objective, val_set, collate, features) -> dict[str, Any]:
     """Per-head rank accuracies over the validation samples, summed over processes.
 
     Each process takes every W-th sample; ``features(model, batch)`` returns the final hidden
     states ``[B, T, H]`` and the lm_head that judges them (the target's, possibly adapted).
+    Under FSDP the heads are gathered whole on every rank first, and every rank runs the same
+    number of batches (an online feature batch is a forward of the sharded target).
 
     Raises:
         NonFiniteError: a head weight is NaN/inf (its accuracies would be meaningless: NaN
             logits rank every token first).
     """
-    model = accelerator.unwrap_model(objective)
-    heads = model.heads
-    bad = non_finite_parameters(heads)
-    if bad:
-        raise NonFiniteError(f"validation: head parameter {bad[0]} is not finite")
-    was_training = model.training
-    model.eval()
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = [val_set[i] for i in range(rank, len(val_set), world)]
-    counts = torch.zeros(heads.num_heads, cfg.tree_max_rank, device=accelerator.device)
-    totals = torch.zeros(heads.num_heads, device=accelerator.device)
-    for i in range(0, len(mine), cfg.batch_size):
-        batch = collate(mine[i : i + cfg.batch_size])
-        hidden, loss_mask, lm_head = features(model, batch)
-        c, t = rank_counts(heads, hidden, loss_mask, as_teacher(lm_head), cfg.tree_max_rank)
-        counts += c
-        totals += t
+    accelerator = run.accelerator
+    with run.full_model(objective, everywhere=True) as model:
+        heads = model.heads
+        bad = non_finite_parameters(heads)
+        if bad:
+            raise NonFiniteError(f"validation: head parameter {bad[0]} is not finite")
+        was_training = model.training
+        model.eval()
+        counts = torch.zeros(heads.num_heads, cfg.tree_max_rank, device=accelerator.device)
+        totals = torch.zeros(heads.num_heads, device=accelerator.device)
+        shares = rank_batches(
+            len(val_set),
+            accelerator.process_index,
+            accelerator.num_processes,
+            cfg.batch_size,
+            even=run.fsdp,
+        )
+        for indices, counted in shares:
+            batch = collate([val_set[i] for i in indices])
+            hidden, loss_mask, lm_head = features(model, batch)
+            c, t = rank_counts(heads, hidden, loss_mask, as_teacher(lm_head), cfg.tree_max_rank)
+            if counted:
+                counts += c
+                totals += t
+        model.train(was_training)
     counts = accelerator.reduce(counts, reduction="sum")
     totals = accelerator.reduce(totals, reduction="sum")
-    model.train(was_training)
     return accuracy_report(counts, totals, cfg.tree_nodes)
 
 
@@ -232,8 +244,16 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     info = run_info()  # taken at the start: the code and versions that actually ran
     medusa2 = cfg.stage == "medusa2"
     outputs = [HEADS_SUBDIR, METRICS_FILE, TARGET_SUBDIR]
+    # Medusa-1 runs under FSDP (frozen target sharded, heads sharded); Medusa-2 trains the target
+    # itself through LoRA adapters, which is not wired for sharding.
+    fsdp = "Medusa-2 (LoRA adapters train the target itself)" if medusa2 else True
     with TrainRun(
-        cfg, recipe="medusa", kind=cfg.stage, outputs=outputs, find_unused_parameters=medusa2
+        cfg,
+        recipe="medusa",
+        kind=cfg.stage,
+        outputs=outputs,
+        find_unused_parameters=medusa2,
+        fsdp=fsdp,
     ) as run:
         accelerator, say, out = run.accelerator, run.say, run.out
 
@@ -242,17 +262,20 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         dtype_name = cfg.target_dtype
         if dtype_name == "auto":
             dtype_name = "bf16" if accelerator.device.type == "cuda" else "fp32"
-        target, tokenizer = load_target(
-            target_path, dtype=DTYPES[dtype_name], device=accelerator.device
-        )
+        target, tokenizer = load_target(target_path, dtype=DTYPES[dtype_name])
         feature_layer = int(target.config.num_hidden_layers)  # final normed output (heads.base)
-        lm_head = target.get_output_embeddings()  # the teacher of the `target*` head labels
 
         # --- heads (+ LoRA on the target for Medusa-2) ----------------------------------------
         # Heads train in fp32 whatever the target's dtype (mixed_precision autocasts matmuls).
+        # Built from the whole target's lm_head, before the target is placed (sharded by FSDP).
         heads = MedusaHeads.from_target(
             target, cfg.num_heads, cfg.num_layers, share_lm_head=cfg.share_lm_head
         ).float()
+        if medusa2:
+            target.to(accelerator.device)  # prepared inside the objective below
+        else:
+            target = run.place_target(target)  # sharded under FSDP; embeddings and head whole
+        lm_head = target.get_output_embeddings()  # the teacher of the `target*` head labels
         if medusa2:
             target = add_lora(
                 target,
@@ -378,7 +401,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         run.init_trackers(f"{cfg.stage}-{out.name}", f"train-{cfg.stage}")
 
         def validate(step: int) -> dict[str, Any]:
-            report = validate_heads(accelerator, cfg, objective, val_set, collate, features)
+            report = validate_heads(run, cfg, objective, val_set, collate, features)
             tau = simulated_tau(report["top1"])
             save_best = None if medusa2 else save_heads  # Medusa-2 heads need their target
             run.record_validation(step, val_logs(report), tau, save_best)
@@ -389,8 +412,9 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
             return report
 
         def save_heads(path: Path, extra: dict[str, Any] | None = None) -> None:
-            if accelerator.is_main_process:
-                accelerator.unwrap_model(objective).heads.save(path, extra=extra)
+            with run.full_model(objective) as model:  # FSDP: gathered, collective
+                if accelerator.is_main_process:
+                    model.heads.save(path, extra=extra)
 
         # --- loop -----------------------------------------------------------------------------
         K = cfg.num_heads

@@ -19,7 +19,13 @@ from draftsmith.train.core.checkpoint import (
     save_checkpoint,
 )
 from draftsmith.train.core.config import TrainConfig
-from draftsmith.train.core.data import DataPosition, check_enough_data, eos_ids, split_indices
+from draftsmith.train.core.data import (
+    DataPosition,
+    check_enough_data,
+    eos_ids,
+    rank_batches,
+    split_indices,
+)
 from draftsmith.train.decoding.metrics import simulated_tau
 from draftsmith.train.errors import RunError, UsageError
 
@@ -72,6 +78,21 @@ def test_split_is_seeded_disjoint_and_leaves_training_data():
     assert split_indices(10, 3, seed=2) != (train, val)
     train, val = split_indices(2, 32, seed=0)
     assert len(train) == 1 and len(val) == 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 7, 9])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_rank_batches_share_every_item_once_and_even_pads_with_dropped_batches(n, world):
+    batch_size = 2
+    shares = [rank_batches(n, r, world, batch_size) for r in range(world)]
+    counted = sorted(i for share in shares for idx, _ in share for i in idx)
+    assert counted == list(range(n))  # each item on exactly one rank
+    assert all(flag for share in shares for _, flag in share)
+    even = [rank_batches(n, r, world, batch_size, even=True) for r in range(world)]
+    assert len({len(share) for share in even}) == 1  # every rank: the same number of batches
+    for plain, padded in zip(shares, even, strict=True):
+        assert padded[: len(plain)] == plain  # the real batches first, unchanged
+        assert all(not flag and idx for idx, flag in padded[len(plain) :])  # then dropped ones
 
 
 def test_eos_ids_merge_tokenizer_and_generation_config():

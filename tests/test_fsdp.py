@@ -1,5 +1,6 @@
 """FSDP2 under ``accelerate launch`` on 2 CPU processes: the EAGLE recipe trains, saves and
-resumes with the target and the drafter sharded, and its losses equal the DDP run's."""
+resumes with the target and the drafter sharded, and its losses equal the DDP run's. (Medusa-1
+and distill: the same check in tests/test_medusa_recipe.py and tests/test_distill_recipe.py.)"""
 
 from __future__ import annotations
 
@@ -136,8 +137,9 @@ def test_output_dir_must_be_shared_by_all_processes(tmp_path):
 
 
 def test_recipes_without_fsdp_refuse_an_fsdp_launch(tmp_path, tiny_target_dir, monkeypatch, capsys):
-    """Medusa under an FSDP config: one error line naming the configs that work, not a silent
-    DDP run. One process in a gloo group of one, with the variables `accelerate launch` sets."""
+    """Medusa-2 (LoRA on the target) under an FSDP config: one error line naming the configs
+    that work, not a silent DDP run. One process in a gloo group of one, with the variables
+    `accelerate launch` sets. (Medusa-1 and distill run under FSDP: their recipe tests.)"""
     from draftsmith.recipes.medusa import main as medusa
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
@@ -145,7 +147,8 @@ def test_recipes_without_fsdp_refuse_an_fsdp_launch(tmp_path, tiny_target_dir, m
     env |= {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "OMP_NUM_THREADS": "1"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert medusa(medusa_args(tmp_path, tiny_target_dir)) == 2
+    assert medusa(medusa_args(tmp_path, tiny_target_dir, stage="medusa2")) == 2
     err = capsys.readouterr().err
-    assert "error: the medusa recipe does not run under FSDP" in err and "cpu_2proc.yaml" in err
+    assert "error: Medusa-2 (LoRA adapters train the target itself) does not run under FSDP" in err
+    assert "cpu_2proc.yaml" in err
     assert not torch.distributed.is_initialized()  # the group was torn down before the error

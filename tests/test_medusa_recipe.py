@@ -218,14 +218,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(*argv: str) -> subprocess.CompletedProcess:
+def _launch(*argv: str, config: str = "cpu_2proc.yaml") -> subprocess.CompletedProcess:
     accelerate = shutil.which("accelerate") or "accelerate"
     return subprocess.run(
         [
             accelerate,
             "launch",
             "--config_file",
-            str(REPO / "recipes/accelerate/cpu_2proc.yaml"),
+            str(REPO / "recipes/accelerate" / config),
             "--main_process_port",
             str(_free_port()),
             str(REPO / "recipes/medusa.py"),
@@ -238,26 +238,42 @@ def _launch(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.integration
-def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
-    argv = args(tmp_path, tiny_target_dir, report_to="wandb")
-    env_mode = os.environ.get("WANDB_MODE")
-    os.environ["WANDB_MODE"] = "offline"
-    try:
-        proc = _launch(*argv)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
-        assert metrics["processes"] == 2 and metrics["steps"] == 4
-        proc = _launch(*args(tmp_path, tiny_target_dir, max_steps=6))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    finally:
-        if env_mode is None:
-            os.environ.pop("WANDB_MODE", None)
-        else:
-            os.environ["WANDB_MODE"] = env_mode
+def _train_and_extend(tmp_path: Path, target_dir: Path, launch: str) -> dict:
+    """2 CPU processes: train 4 steps, then resume the run to 6; its metrics."""
+    config = {"ddp": "cpu_2proc.yaml", "fsdp": "fsdp_cpu_2proc.yaml"}[launch]
+    over = {"output_dir": tmp_path / launch, "val_samples": 5}
+    proc = _launch(*args(tmp_path, target_dir, report_to="wandb", **over), config=config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / launch / "training_metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["steps"] == 4
+    proc = _launch(*args(tmp_path, target_dir, max_steps=6, **over), config=config)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
-    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
-    assert metrics["steps"] == 6 and metrics["resumed_from"] == 4 and metrics["processes"] == 2
-    # Validation counts were summed over both processes (each took half the samples).
-    assert sum(metrics["final_validation"]["positions"]) > 0
-    assert list((tmp_path / "run").glob("wandb/offline-run-*")), "W&B offline run missing"
+    return json.loads((tmp_path / launch / "training_metrics.json").read_text())
+
+
+@pytest.mark.integration
+def test_two_cpu_processes_train_and_resume_ddp_and_fsdp(tmp_path, tiny_target_dir, monkeypatch):
+    """Medusa-1 on 2 CPU processes, DDP and FSDP (target and heads sharded, online features):
+    each trains, is resumed to more steps, and both train the same numbers. 5 validation
+    samples: ranks get 3 and 2, yet under FSDP every rank joins every sharded target forward."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    runs = {
+        launch: _train_and_extend(tmp_path, tiny_target_dir, launch) for launch in ("ddp", "fsdp")
+    }
+    for launch, metrics in runs.items():
+        assert metrics["distributed"] == launch
+        assert metrics["steps"] == 6 and metrics["resumed_from"] == 4 and metrics["processes"] == 2
+        # Validation counts were summed over both processes (each took its share of samples).
+        assert sum(metrics["final_validation"]["positions"]) > 0
+        assert list((tmp_path / launch).glob("wandb/offline-run-*")), "W&B offline run missing"
+    a, b = runs["ddp"], runs["fsdp"]
+    # Every validation position counted once, none from the padding batch FSDP adds.
+    assert a["final_validation"]["positions"] == b["final_validation"]["positions"]
+    la = [e["train/loss"] for e in a["train_log"]]
+    lb = [e["train/loss"] for e in b["train_log"]]
+    assert len(la) == len(lb) == 3
+    # Equal up to the gradient summation order (tests/test_fsdp.py says why 1e-4).
+    assert max(abs(x - y) / abs(y) for x, y in zip(la, lb, strict=True)) < 1e-4, (la, lb)
+    ta, tb = a["final_validation"]["top1"], b["final_validation"]["top1"]
+    assert max(abs(x - y) for x, y in zip(ta, tb, strict=True)) < 1e-3, (ta, tb)

@@ -151,6 +151,33 @@ def split_indices(n: int, val_samples: int, seed: int) -> tuple[list[int], list[
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+def rank_batches(
+    n: int, rank: int, world: int, batch_size: int, even: bool = False
+) -> list[tuple[list[int], bool]]:
+    """This rank's validation batches: indices of every ``world``-th of ``n`` items from ``rank``.
+
+    Args:
+        n: items to share out.
+        rank: this process's index.
+        world: number of processes.
+        batch_size: items per batch.
+        even: give every rank the same number of batches (the most any rank has), the extra ones
+            repeating this rank's first items. Needed when each batch runs a sharded (FSDP)
+            model: its forward is a collective that every rank must join.
+
+    Returns:
+        ``(indices, counted)`` per batch; an extra batch has ``counted`` False and its results
+        must be dropped.
+    """
+    mine = list(range(rank, n, world))
+    batches = [(mine[i : i + batch_size], True) for i in range(0, len(mine), batch_size)]
+    if even:
+        most = math.ceil(math.ceil(n / world) / batch_size) if n else 0
+        filler = mine[:batch_size] or list(range(min(n, batch_size)))
+        batches += [(filler, False)] * (most - len(batches)) if filler else []
+    return batches
+
+
 def total_steps(
     max_steps: int | None, epochs: float, batches_per_epoch: int, grad_accum: int
 ) -> int:

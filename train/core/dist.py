@@ -245,14 +245,15 @@ def broadcast_module(model: torch.nn.Module) -> None:
             torch.distributed.broadcast(tensor.data, src=0)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of an FSDP2 model, on the CPU of rank 0 only.
+def full_state_dict(model: torch.nn.Module, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of an FSDP2 model.
 
-    Collective: every rank must call it; ranks other than 0 get an empty dict.
+    Collective: every rank must call it. By default it lands on the CPU of rank 0 only (the
+    other ranks get an empty dict); ``everywhere``: on every rank, on its device.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     return get_model_state_dict(model, options=options)
 
 

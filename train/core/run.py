@@ -99,7 +99,7 @@ class TrainRun:
         kind: str,
         outputs: Sequence[str],
         find_unused_parameters: bool = False,
-        fsdp: bool = False,
+        fsdp: bool | str = False,
     ) -> None:
         from accelerate import Accelerator
         from accelerate.utils import (
@@ -137,11 +137,12 @@ class TrainRun:
         try:
             self._target_layers = setup_fsdp(self.accelerator)
             self.fsdp = self._target_layers is not None
-            if self.fsdp and not fsdp:
+            if self.fsdp and fsdp is not True:
+                what = fsdp if isinstance(fsdp, str) else f"the {recipe} recipe"
                 raise UsageError(
-                    f"the {recipe} recipe does not run under FSDP (distributed_type: FSDP in the "
+                    f"{what} does not run under FSDP (distributed_type: FSDP in the "
                     "accelerate config): launch it with a DDP config (recipes/accelerate/"
-                    "cpu_2proc.yaml, multi_gpu.yaml); recipes/eagle.py supports FSDP"
+                    "cpu_2proc.yaml, multi_gpu.yaml)"
                 )
         except UsageError:
             teardown(self.accelerator, ok=False)  # every rank raises the same; none waits
@@ -252,33 +253,39 @@ class TrainRun:
         for obj in objects:
             if self.fsdp and isinstance(obj, torch.nn.Module):
                 broadcast_module(obj)  # every rank shards rank 0's weights (as DDP syncs them)
-                if self.is_main:
-                    self._plain[id(obj)] = copy.deepcopy(obj).to("meta")
+                self._plain[id(obj)] = _empty_copy(obj, self.accelerator.device)
         prepared = self.accelerator.prepare(*objects)
         self._prepared.append(prepared)
         return prepared
 
     @contextlib.contextmanager
-    def full_model(self, model: torch.nn.Module) -> Iterator[torch.nn.Module | None]:
-        """The prepared ``model`` with all its weights, to save it (every process enters).
+    def full_model(
+        self, model: torch.nn.Module, everywhere: bool = False
+    ) -> Iterator[torch.nn.Module | None]:
+        """The prepared ``model`` with all its weights (every process enters).
 
         DDP or one process: the unwrapped model itself. FSDP: the full state dict is gathered
-        (collective) into the main process's plain copy, which is yielded there and emptied
-        again on exit; the other processes get None.
+        (collective) into a plain copy, which is yielded and emptied again on exit -- on the
+        main process only (to save it; the others get None), or with ``everywhere`` on every
+        process: to run forwards whose number differs between ranks (validation shares,
+        on-policy generation that stops at EOS), which a sharded model cannot, since each of
+        its forwards is a collective. The plain copy is not trained: what it learns is lost.
         """
         if not self.fsdp:
             yield self.accelerator.unwrap_model(model)
             return
-        state = full_state_dict(model)
-        if not self.is_main:
+        state = full_state_dict(model, everywhere=everywhere)
+        if not (self.is_main or everywhere):
             yield None
             return
         plain = self._plain[id(model)]
         plain.load_state_dict(state, assign=True)
+        if hasattr(plain, "tie_weights"):
+            plain.tie_weights()  # assign=True loaded tied weights (input/output) as two tensors
         try:
             yield plain
         finally:
-            plain.to("meta")
+            _params_to_meta(plain)
 
     def init_trackers(self, name: str, job_type: str) -> None:
         """W&B (when ``report_to: wandb``); offline without an API key (``wandb sync`` later)."""
@@ -440,12 +447,14 @@ class TrainRun:
         """The one line that says how to continue an interrupted run."""
         argv = [a for a in sys.argv if a not in ("--no-resume", "--overwrite")]
         if argv and argv[0].endswith(".py"):
-            argv.insert(0, "python")
-        command = " ".join(shlex.quote(a) for a in argv)
-        launcher = " under the same launcher (accelerate launch ...)" if self.multi else ""
+            # Several processes: the same launcher and options as this run had.
+            argv.insert(
+                0, "accelerate launch <this run's launch options>" if self.multi else "python"
+            )
+        command = " ".join(a if i == 0 else shlex.quote(a) for i, a in enumerate(argv))
         return (
             f"stopped ({self.stop_reason}) after step {self.state.step}; checkpoint saved; "
-            f"resume with{launcher}: {command}"
+            f"resume with: {command}"
         )
 
     # --- logs, validation, best drafter -------------------------------------------------------
@@ -576,3 +585,28 @@ def _collective_failed(exc: BaseException) -> bool:
 
 
 __all__ = ["NonFiniteError", "TrainRun", "mean_over_processes"]
+
+
+def _params_to_meta(model: torch.nn.Module) -> None:
+    """Drop ``model``'s parameter storage (meta tensors of the same shapes); keep its buffers."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.device.type != "meta":
+                module._parameters[name] = torch.nn.Parameter(
+                    param.detach().to("meta"), requires_grad=param.requires_grad
+                )
+
+
+def _empty_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A copy of ``model`` without parameter storage, its buffers on ``device``.
+
+    Filled by a gathered state dict when needed (:meth:`TrainRun.full_model`). Buffers stay
+    real: non-persistent ones (rotary ``inv_freq``) are in no state dict, yet a forward needs them.
+    """
+    plain = copy.deepcopy(model)
+    _params_to_meta(plain)
+    for module in plain.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+    return plain
