@@ -65,13 +65,12 @@ from draftsmith.train.datagen.endpoint import (
 )
 from draftsmith.train.datagen.resumable import meta_file, progress_bar, write_meta, write_synced
 from draftsmith.train.datagen.self_distill import (
-    DistillError,
     DistillStats,
     _batch_bytes,
     _plan_turns,
     _prompt_ids,
-    check_meta,
-    read_completed,
+    conversations_by_id,
+    resume_output,
 )
 from draftsmith.train.runinfo import output_lock
 from draftsmith.train.safety import ensure_free_space
@@ -174,31 +173,15 @@ def endpoint_distill(
         **(meta or {}),
     }
     stats = DistillStats(selected=len(conversations))
-    by_id: dict[str, Conversation] = {}
-    for conv in conversations:
-        if conv.id in by_id:
-            raise DistillError(f"{conv.source}: id {conv.id!r} repeats {by_id[conv.id].source}")
-        by_id[conv.id] = conv
+    by_id = conversations_by_id(conversations)
     eos = end_of_turn_ids(tokenizer, eos_token_ids)
 
     guard = output_lock(output, "distill run") if lock else contextlib.nullcontext()
     with guard:
-        # --- resume (the HF path's rules) ------------------------------------------------------
-        if overwrite:
-            output.unlink(missing_ok=True)
-        if output.exists():
-            if not meta_path.exists():
-                raise DistillError(
-                    f"{output} exists but has no {meta_path.name} (not written by draftsmith "
-                    "distill?); move it away or pass --overwrite"
-                )
-            check_meta(meta_path, settings)
-            done_ids, stats.discarded_partial_line = read_completed(output)
-        else:
-            done_ids = []
-        done = set(done_ids) & set(by_id)
+        # Resume: the HF path's rules.
+        done = resume_output(output, meta_path, settings, overwrite=overwrite, stats=stats)
+        done &= set(by_id)
         stats.already_done = len(done)
-        output.parent.mkdir(parents=True, exist_ok=True)
         server_meta = {
             "url": server.url,
             "model": server.model,

@@ -235,6 +235,46 @@ def check_meta(meta_path: Path, settings: dict[str, Any]) -> dict[str, Any]:
     return check_resumable_meta(meta_path, settings, _STRICT_SETTINGS, DistillError)
 
 
+def conversations_by_id(conversations: Sequence[Conversation]) -> dict[str, Conversation]:
+    """The conversations keyed by id (the key of resuming).
+
+    Raises:
+        DistillError: an id repeats; the message names both sources.
+    """
+    by_id: dict[str, Conversation] = {}
+    for conv in conversations:
+        if conv.id in by_id:
+            raise DistillError(f"{conv.source}: id {conv.id!r} repeats {by_id[conv.id].source}")
+        by_id[conv.id] = conv
+    return by_id
+
+
+def resume_output(
+    output: Path, meta_path: Path, settings: dict[str, Any], *, overwrite: bool, stats: DistillStats
+) -> set[str]:
+    """Make ``output`` ready for appending; the ids it already holds.
+
+    ``overwrite`` starts it again. An existing output must have its meta file with these
+    ``settings``; a partial last line (a killed run) is cut off and counted in ``stats``.
+
+    Raises:
+        DistillError: the output has no meta file, or was written with other settings.
+    """
+    if overwrite:
+        output.unlink(missing_ok=True)
+    done_ids: list[str] = []
+    if output.exists():
+        if not meta_path.exists():
+            raise DistillError(
+                f"{output} exists but has no {meta_path.name} (not written by draftsmith "
+                "distill?); move it away or pass --overwrite"
+            )
+        check_meta(meta_path, settings)
+        done_ids, stats.discarded_partial_line = read_completed(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return set(done_ids)
+
+
 def _batch_bytes(batch: Sequence[Conversation], plans: dict, max_new_tokens: int) -> int:
     """An upper estimate of the bytes a batch's records take in the output."""
     total = 0
@@ -316,31 +356,14 @@ def self_distill(
         **(meta or {}),
     }
     stats = DistillStats(selected=len(conversations))
-    by_id = {}
-    for conv in conversations:
-        if conv.id in by_id:
-            raise DistillError(f"{conv.source}: id {conv.id!r} repeats {by_id[conv.id].source}")
-        by_id[conv.id] = conv
+    by_id = conversations_by_id(conversations)
 
     # One writer per output: two runs appending to one file would both write every record.
     guard = output_lock(output, "distill run") if lock else contextlib.nullcontext()
     with guard:
-        # --- resume ----------------------------------------------------------------------------
-        if overwrite:
-            output.unlink(missing_ok=True)
-        if output.exists():
-            if not meta_path.exists():
-                raise DistillError(
-                    f"{output} exists but has no {meta_path.name} (not written by draftsmith "
-                    "distill?); move it away or pass --overwrite"
-                )
-            check_meta(meta_path, settings)
-            done_ids, stats.discarded_partial_line = read_completed(output)
-        else:
-            done_ids = []
-        done = set(done_ids) & set(by_id)
+        done = resume_output(output, meta_path, settings, overwrite=overwrite, stats=stats)
+        done &= set(by_id)
         stats.already_done = len(done)
-        output.parent.mkdir(parents=True, exist_ok=True)
         write_meta(meta_path, {"settings": settings, "complete": False})
 
         # --- plan: the batches depend on the whole selection only, never on what is done -----
