@@ -143,29 +143,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_eagle(config: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file CONFIG recipes/eagle.py ARGS`` (one thread per process)."""
+    return subprocess.run(
+        [
+            shutil.which("accelerate") or "accelerate",
+            "launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(_free_port()),
+            str(REPO / "recipes/eagle.py"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
 @pytest.mark.integration
 def test_two_cpu_processes_train_and_resume(tmp_path, tiny_target_dir):
     """accelerate launch with 2 CPU processes: the run completes, then resumes from its checkpoint."""
-    accelerate = shutil.which("accelerate") or "accelerate"
     config = REPO / "recipes/accelerate/cpu_2proc.yaml"
 
     def launch(**over):
-        return subprocess.run(
-            [
-                accelerate,
-                "launch",
-                "--config_file",
-                str(config),
-                "--main_process_port",
-                str(_free_port()),
-                str(REPO / "recipes/eagle.py"),
-                *base_args(tmp_path, tiny_target_dir, 3, **over),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
+        return launch_eagle(config, base_args(tmp_path, tiny_target_dir, 3, **over))
 
     proc = launch(max_steps=4, save_every=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

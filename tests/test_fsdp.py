@@ -5,9 +5,6 @@ and distill: the same check in tests/test_medusa_recipe.py and tests/test_distil
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from draftsmith.heads.eagle import load_drafter
 from draftsmith.train.core.checkpoint import check_shared_output
 from draftsmith.train.errors import UsageError
 from draftsmith.train.target.load import load_target
-from tests.test_eagle_recipe import REPO, _free_port, base_args
+from tests.test_eagle_recipe import REPO, _free_port, base_args, launch_eagle
 from tests.test_medusa_recipe import args as medusa_args
 
 FSDP_CONFIG = REPO / "recipes/accelerate/fsdp_cpu_2proc.yaml"
@@ -34,25 +31,6 @@ DDP_CONFIG = REPO / "recipes/accelerate/cpu_2proc.yaml"
 # below 1e-4 -- while one skipped or doubled micro-batch, a wrongly averaged gradient or a
 # checkpoint restored into the wrong shards changes the loss by > 1e-2.
 RTOL = 1e-4
-
-
-def _launch(config: Path, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            shutil.which("accelerate") or "accelerate",
-            "launch",
-            "--config_file",
-            str(config),
-            "--main_process_port",
-            str(_free_port()),
-            str(REPO / "recipes/eagle.py"),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 def _args(tmp_path: Path, target_dir: Path, out: str, **over) -> list[str]:
@@ -73,7 +51,7 @@ def _args(tmp_path: Path, target_dir: Path, out: str, **over) -> list[str]:
 def test_fsdp_trains_resumes_and_matches_ddp(tmp_path, tiny_target_dir):
     """2 CPU processes, FSDP2: stop after 4 of 6 steps, resume to 6; losses equal DDP's."""
     # FSDP, first invocation: paused after 4 steps (same schedule as an unbroken 6-step run).
-    proc = _launch(FSDP_CONFIG, _args(tmp_path, tiny_target_dir, "fsdp", stop_after_steps=4))
+    proc = launch_eagle(FSDP_CONFIG, _args(tmp_path, tiny_target_dir, "fsdp", stop_after_steps=4))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fsdp = tmp_path / "fsdp"
     step_4 = fsdp / "checkpoints" / "step_4"
@@ -85,7 +63,7 @@ def test_fsdp_trains_resumes_and_matches_ddp(tmp_path, tiny_target_dir):
     assert not (fsdp / "drafter").exists()  # paused: no final drafter yet
 
     # Second invocation: resumes from step 4 and finishes at step 6.
-    proc = _launch(FSDP_CONFIG, _args(tmp_path, tiny_target_dir, "fsdp"))
+    proc = launch_eagle(FSDP_CONFIG, _args(tmp_path, tiny_target_dir, "fsdp"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     got = json.loads((fsdp / "training_metrics.json").read_text())
@@ -95,7 +73,7 @@ def test_fsdp_trains_resumes_and_matches_ddp(tmp_path, tiny_target_dir):
     assert [v["step"] for v in got["validation"]] == [3, 6]
 
     # DDP reference: the same data, seed and steps in one invocation.
-    proc = _launch(DDP_CONFIG, _args(tmp_path, tiny_target_dir, "ddp"))
+    proc = launch_eagle(DDP_CONFIG, _args(tmp_path, tiny_target_dir, "ddp"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ref = json.loads((tmp_path / "ddp" / "training_metrics.json").read_text())
     assert ref["distributed"] == "ddp" and ref["steps"] == 6
