@@ -222,12 +222,16 @@ class DrafterKind:
         help: a few words for ``--help`` after the kind's name.
         uses: :class:`BuildOptions` fields that only this kind (and others listing them)
             reads; a run that sets one without such a kind is refused.
+        vllm: how vLLM serves the spec's drafter: ``vllm(path)`` -> ``(export format or None,
+            vLLM speculative method)``, or a string saying why it is not served (used by
+            ``draftsmith bench --vllm-python``, train/report/served.py); None: not served.
     """
 
     build: Callable[[str | None, BuildOptions], Any]
     path: Literal["required", "optional", "none"] = "none"
     help: str = ""
     uses: tuple[str, ...] = ()
+    vllm: Callable[[str | None], tuple[str | None, str] | str] | None = None
 
 
 def unwrap_model(model: torch.nn.Module) -> Any:

@@ -555,11 +555,17 @@ def build_medusa(path: str | None, options: BuildOptions, tree: bool = False) ->
     return proposer
 
 
-MEDUSA = DrafterKind(build_medusa, path="required", help="Medusa heads, chain")
+MEDUSA = DrafterKind(
+    build_medusa,
+    path="required",
+    help="Medusa heads, chain",
+    vllm=lambda path: ("medusa-vllm", "medusa"),
+)
 MEDUSA_TREE = DrafterKind(
     lambda path, options: build_medusa(path, options, tree=True),
     path="required",
     help="Medusa heads, tree of tree_total_tokens nodes",
+    vllm=lambda path: "the bench serves chains; serve medusa=DIR for these heads",
 )
 
 

@@ -85,4 +85,4 @@ def build_ngram(path: str | None, options: BuildOptions) -> NGramDrafter:
     return NGramDrafter(max_ngram=options.ngram_max, min_ngram=options.ngram_min)
 
 
-NGRAM = DrafterKind(build_ngram, help="prompt lookup")
+NGRAM = DrafterKind(build_ngram, help="prompt lookup", vllm=lambda path: (None, "ngram"))

@@ -116,4 +116,8 @@ def build_suffix(path: str | None, options: BuildOptions) -> SuffixDrafter:
     return SuffixDrafter()
 
 
-SUFFIX = DrafterKind(build_suffix, help="longest-suffix lookup, most frequent continuation")
+SUFFIX = DrafterKind(
+    build_suffix,
+    help="longest-suffix lookup, most frequent continuation",
+    vllm=lambda path: "vLLM's suffix method needs arctic-inference, not in our vLLM venv",
+)

@@ -10,6 +10,12 @@ Launch::
     draftsmith bench --merge results/bench/s0.json results/bench/s1.json \
         --out results/bench/smollm2 --training-logs runs/eagle3_smollm2
 
+With a vLLM venv (``--vllm-python``) or running servers (``--vllm-url``), each chain drafter is
+also exported, served and measured at 1, 4 and 16 requests in flight
+(``draftsmith.train.report.served``). A stopped bench (Ctrl-C, ``--max-minutes``, a kill)
+continues when the same command runs again: finished temperatures are kept and evaluate
+resumes after its last finished prompt.
+
 A thin layer over ``draftsmith evaluate`` (called through the CLI dispatch, as the quickstart
 does): one evaluate run per temperature (greedy, then sampled at 0.7 by default) with every
 ``--drafter`` given, so all drafters share one plain-decoding baseline measured prompt by prompt
@@ -71,6 +77,7 @@ from draftsmith.train.report.bench import (
     write_outputs,
 )
 from draftsmith.train.report.recommend import default_cost_profile, load_costs
+from draftsmith.train.report.served import serve, served_lines
 from draftsmith.train.report.text import console, fmt_number
 from draftsmith.train.runinfo import load_record, machine_load, run_info
 
@@ -142,6 +149,26 @@ class BenchConfig:
         help="training output dirs (or their training_metrics.json): plot validation simulated "
         "τ against training minutes",
     )
+    vllm_python: Path | None = cfg_field(
+        None,
+        help="python of a separate vLLM venv (docs/serving.md): export each chain drafter, "
+        "serve it and the plain target there, and report vLLM's τ, tokens/s and latency at "
+        "each served_concurrency next to ours",
+    )
+    vllm_url: list[str] | None = cfg_field(
+        None,
+        help="[LABEL=]URL of running OpenAI-compatible vLLM servers of the same target to "
+        "measure instead; LABEL plain (the baseline) or one of --drafter's specs (compared "
+        "with our τ)",
+    )
+    served_concurrency: list[int] = cfg_field(
+        [1, 4, 16], help="requests in flight at once, one served measurement each", ge=1
+    )
+    served_limit: int = cfg_field(
+        16,
+        help="serve the first N prompts of the bench (a level of c requests needs >= c)",
+        ge=1,
+    )
     evaluate_args: list[str] = cfg_field(
         [],
         help="more `draftsmith evaluate` flags (for YAML configs; on the command line just give "
@@ -160,6 +187,22 @@ class BenchConfig:
             problems.append(("drafter", "none measures no drafter; name the drafters to bench"))
         if self.merge is not None and self.shard is not None:
             problems.append(("merge", "merge combines finished shards; do not give shard too"))
+        if self.vllm_python is not None and self.vllm_url:
+            problems.append(("vllm_url", "give vllm_python (servers started) or vllm_url"))
+        if self.shard is not None and (self.vllm_python is not None or self.vllm_url):
+            problems.append(
+                (
+                    "vllm_python",
+                    "serve once, after merging: draftsmith bench --merge ... --vllm-python PY",
+                )
+            )
+        if self.vllm_python is not None and not Path(self.vllm_python).exists():
+            problems.append(
+                (
+                    "vllm_python",
+                    f"{self.vllm_python} not found (scripts/setup_vllm_venv.sh makes one)",
+                )
+            )
         for arg in self.evaluate_args:
             flag = arg.split("=", 1)[0]
             if flag in _OWN_FLAGS:
@@ -192,6 +235,31 @@ def _evaluate_argv(cfg: BenchConfig, temperature: float, out: Path) -> list[str]
     return [*argv, *cfg.evaluate_args, "--temperature", f"{temperature:g}", "--out", str(out)]
 
 
+def _finished(raw: Path, argv: list[str]) -> bool:
+    """Whether ``raw`` holds a complete evaluate run of exactly these settings (a rerun of a
+    stopped bench keeps it instead of measuring it again)."""
+    from draftsmith.recipes.evaluate import EvalConfig
+    from draftsmith.train.config import parse_config
+    from draftsmith.train.decoding.partial import RESULT_IRRELEVANT, partial_path
+
+    if not raw.is_file() or partial_path(raw).exists():
+        return False
+    try:
+        done = json.loads(raw.read_text())
+        wanted = config_to_dict(parse_config(EvalConfig, argv[1:]))
+    except (OSError, ValueError, ConfigError):
+        return False
+    if "--no-resume" in argv or done.get("prompts_evaluated") != done.get("prompts_selected"):
+        return False
+    saved = done.get("config") or {}
+    relevant = (wanted.keys() | saved.keys()) - RESULT_IRRELEVANT
+    same = [
+        json.dumps(saved.get(k), default=str) == json.dumps(wanted.get(k), default=str)
+        for k in relevant
+    ]
+    return all(same)
+
+
 def _call(argv: list[str]) -> int:
     """``draftsmith ARGV`` in this process (the CLI dispatch, as the quickstart's stages)."""
     from draftsmith.recipes import cli
@@ -222,7 +290,17 @@ def run(cfg: BenchConfig) -> int:
         for t in cfg.temperatures:
             raw = _raw_path(stem, t)
             argv = _evaluate_argv(cfg, t, raw)
+            if _finished(raw, argv):
+                print(f"[bench] temperature {t:g} already measured: {raw} (kept)", flush=True)
+                runs.append((t, raw, shlex.join(["draftsmith", *argv])))
+                continue
             rc = _call(argv)
+            if rc == 130:
+                print(
+                    "bench interrupted; the finished prompts are kept: the same command continues",
+                    file=sys.stderr,
+                )
+                return 130
             if rc == 2 or not raw.is_file():
                 print(
                     f"error: bench: evaluate at temperature {t:g} failed (exit {rc}; its error "
@@ -231,6 +309,14 @@ def run(cfg: BenchConfig) -> int:
                 )
                 return rc or 1
             code = max(code, rc)  # 1: an output differed from plain greedy (reported, kept)
+            done = json.loads(raw.read_text())
+            if done["prompts_evaluated"] < done["prompts_selected"]:  # evaluate's max_minutes
+                print(
+                    f"bench stopped at temperature {t:g} after {done['prompts_evaluated']} of "
+                    f"{done['prompts_selected']} prompts (max_minutes): the same command "
+                    "continues (finished temperatures and prompts are kept)"
+                )
+                return 3
             runs.append((t, raw, shlex.join(["draftsmith", *argv])))
     report = build_report(runs, stem, profile, cfg.max_k, training)
     report["bench"].update(shard=cfg.shard, merged_from=merged_from)
@@ -238,6 +324,10 @@ def run(cfg: BenchConfig) -> int:
     report["machine_load"] = load_record(load_before, machine_load())
     report.update(info)
     outputs = write_outputs(report, stem)
+    if cfg.vllm_python is not None or cfg.vllm_url:
+        # Our figures are on disk first: a serving failure loses none of them.
+        report["served"] = serve(cfg, report, runs, stem)
+        outputs = write_outputs(report, stem)
     _print_summary(report, outputs)
     if cfg.shard:
         print(
@@ -308,6 +398,8 @@ def _print_summary(report: dict[str, Any], outputs: dict[str, Any]) -> None:
             f"tree: {tree['method']} (T={tree['temperature']:g}, {shape}): "
             f"τ {fmt_number(tau)}, measured {fmt_number(speedup, '.2f', 'x')}"
         )
+    for line in served_lines(report.get("served")):
+        print(line)
     print(f"bench results: {outputs['json']}")
     print(f"report: {outputs['markdown']}")
     for path in outputs["plots"]:
@@ -329,6 +421,7 @@ examples:
   draftsmith bench ... --shard 0/2 --out results/bench/s0 &   # one process per core
   draftsmith bench ... --shard 1/2 --out results/bench/s1
   draftsmith bench --merge results/bench/s0.json results/bench/s1.json --out results/bench/all
+  draftsmith bench --merge ... --out results/bench/all --vllm-python /work/venvs/vllm/bin/python
 
 docs/bench.md describes the outputs and how to read the plots."""
 
@@ -338,7 +431,9 @@ def parse(argv: list[str]) -> BenchConfig:
     parser = argparse.ArgumentParser(
         prog="draftsmith bench",
         description="Every drafter on one prompt set against one interleaved plain baseline, "
-        "greedy and sampled: tables, plots and the recommended draft length.",
+        "greedy and sampled: tables, plots and the recommended draft length; with a vLLM venv "
+        "(--vllm-python) or servers (--vllm-url), vLLM's τ, tokens/s and latency under load "
+        "too. A stopped bench continues when the same command runs again.",
         epilog=_EPILOG,
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # an evaluate flag must never be taken for a prefix of the bench's
@@ -356,7 +451,8 @@ def parse(argv: list[str]) -> BenchConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: 0 done, 2 bad input, 1 a greedy output differed from plain decoding."""
+    """CLI entry: 0 done, 1 a greedy output differed from plain decoding, 2 bad input, 3 stopped
+    by ``--max-minutes`` before the end (rerun to continue), 130 interrupted."""
     return cli_main(lambda a: run(parse(a)), argv)
 
 

@@ -39,16 +39,18 @@ from draftsmith.heads.sampling import SamplingParams, sampling_problems
 from draftsmith.train.config import ConfigError, as_list, cfg_field, config_to_dict, parse_config
 from draftsmith.train.data.prompts import PromptFileError, load_prompts, render_prompt
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
-from draftsmith.train.decoding.metrics import results_table, summarize
+from draftsmith.train.decoding.metrics import results_table
+from draftsmith.train.decoding.partial import PartialRun
 from draftsmith.train.decoding.results import (
     counters,
     divergence,
-    fastest_plain,
     identity,
     merge_results,
     prompt_entry,
+    summarize_entries,
 )
 from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.errors import UsageError
 from draftsmith.train.runinfo import (
     busy_warning,
     load_record,
@@ -104,7 +106,14 @@ class EvalConfig:
         "N cores; merge their JSONs with `draftsmith evaluate --merge A.json B.json --out C.json`",
     )
     max_minutes: float | None = cfg_field(
-        None, help="start no new prompt after this many minutes; results cover the prompts done"
+        None,
+        help="start no new prompt after this many minutes; results cover the prompts done and "
+        "the same command continues the run",
+    )
+    resume: bool = cfg_field(
+        True,
+        help="continue a stopped run (Ctrl-C, max_minutes, a kill) from OUT.partial.jsonl, "
+        "skipping its finished prompts; --no-resume starts over",
     )
     merge: list[Path] | None = cfg_field(
         None, help="merge these results JSONs (shards of one run) into --out; runs nothing"
@@ -267,6 +276,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     names = ["plain" if d is None else d.name for d in drafters]
+    # Finished prompts of an earlier, stopped run of the same command (train/decoding/partial.py).
+    partial, done = None, {}
+    if cfg.out:
+        partial = PartialRun(cfg.out, config_to_dict(cfg), names)
+        try:
+            done = partial.load(cfg.resume)
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if done:
+            print(
+                f"resuming: {len(done)} of {len(records)} prompts already done in "
+                f"{partial.path} (--no-resume starts over)"
+            )
     eos = {tokenizer.eos_token_id, *as_list(target.generation_config.eos_token_id)} - {None}
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
     # One policy per drafter for the whole run: what it learns carries across prompts.
@@ -297,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     base_runs: list = []
     ref_runs: list = []
     spec_runs: list[list] = [[] for _ in drafters]
-    per_prompt: list[list[dict]] = [[] for _ in drafters]
+    new_entries: dict[str, list[dict]] = {}  # record id -> this segment's entries per method
+    todo = [(r, ids) for r, ids in zip(records, prompts, strict=True) if str(r.id) not in done]
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
     columns = [
@@ -306,11 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         MofNCompleteColumn(),
         TimeRemainingColumn(),
     ]
-    with Progress(*columns, transient=not sys.stderr.isatty()) as progress:
-        task = progress.add_task("evaluating", total=len(prompts))
-        start = time.perf_counter()
-        for record, ids in zip(records, prompts, strict=True):
-            if cfg.max_minutes and time.perf_counter() - start > 60 * cfg.max_minutes:
+    # A background run (SIGINT ignored) or a scheduler's SIGTERM stops it like Ctrl-C: the
+    # finished prompts stay in the partial file.
+    handlers = _stop_on_signals()
+    progress = Progress(*columns, transient=not sys.stderr.isatty())
+    task = progress.add_task("evaluating", total=len(prompts), completed=len(prompts) - len(todo))
+    start = time.perf_counter()
+    try:
+        progress.start()
+        for record, ids in todo:
+            # Each segment measures at least one prompt, so reruns always make progress.
+            elapsed = time.perf_counter() - start
+            if cfg.max_minutes and new_entries and elapsed > 60 * cfg.max_minutes:
                 stopped_early = True
                 break
             # Same seed for every run of a prompt: sampled outputs are comparable run to run.
@@ -323,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                 if reference is not None:
                     gen = torch.Generator().manual_seed(cfg.seed)
                     ref_runs.append(generate(reference, ids, None, **common, generator=gen))
+            entries = []
             for i, (drafter, policy) in enumerate(zip(drafters, policies, strict=True)):
                 spec = base
                 if drafter is not None:
@@ -335,11 +367,14 @@ def main(argv: list[str] | None = None) -> int:
                     entry["reference_counters"] = {**counters(ref), "new_tokens": len(ref.tokens)}
                 if entry.get("identical_to_target") is False and sampling.greedy:
                     entry["divergence"] = divergence(target, ids, base.tokens, spec.tokens)
-                per_prompt[i].append(entry)
+                entries.append(entry)
+            new_entries[str(record.id)] = entries
+            if partial is not None:
+                partial.add(str(record.id), entries)
             progress.advance(task)
             if not sys.stderr.isatty():  # logs of background runs still show how it goes
-                done = len(per_prompt[0])
-                line = f"[{done}/{len(prompts)}] prompt {record.id}:"
+                finished = len(done) + len(new_entries)
+                line = f"[{finished}/{len(prompts)}] prompt {record.id}:"
                 if base is not None:
                     line += f" plain {len(base.tokens) / base.wall_time:.1f} tok/s"
                 for name, runs in zip(names, spec_runs, strict=True):
@@ -349,36 +384,62 @@ def main(argv: list[str] | None = None) -> int:
                         f" {len(run_.tokens) / run_.wall_time:.1f} tok/s"
                     )
                 print(line, file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        progress.stop()
+        if partial is None:
+            print("\ninterrupted (no --out: nothing kept)", file=sys.stderr)
+            return 130
+        partial.stop(len(new_entries), load_record(load_before, machine_load()))
+        print(
+            f"\ninterrupted: {len(done) + len(new_entries)} of {len(records)} prompts done and "
+            f"kept in {partial.path}; the same command continues",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        progress.stop()
+        _restore_signals(handlers)
 
     # --- results ------------------------------------------------------------------------------
+    # Every figure from the per-prompt entries (this segment's and any earlier one's), in the
+    # prompt file's order, exactly as `--merge` recomputes shards.
+    finished = [done.get(str(r.id)) or new_entries.get(str(r.id)) for r in records]
+    finished = [e for e in finished if e is not None]
+    load = load_record(load_before, machine_load())
+    if partial is not None and partial.segments:  # earlier segments ran under their own load
+        segments = [s["machine_load"] for s in partial.segments] + [load]
+        load = {"segments": segments, "busy": any(s.get("busy") for s in segments)}
     results = []
     for i, name in enumerate(names):
+        per_prompt = [entries[i] for entries in finished]
         result = {"method": name, "k": cfg.k, "temperature": cfg.temperature}
         result["adaptive_k"] = cfg.adaptive_k
         if policies[i] is not None:
-            chosen = policies[i].chosen
+            chosen = policies[i].chosen  # this segment's choices (a resumed policy starts anew)
             result["mean_draft_length"] = sum(chosen) / max(len(chosen), 1)
         result["dtype"] = cfg.dtype
         result["draft_dtype"] = cfg.dtype if cfg.draft_dtype == "same" else cfg.draft_dtype
-        result.update(summarize(spec_runs[i], cfg.k, base_runs if cfg.baseline else None))
-        if ref_runs:
-            result.update(fastest_plain(result, ref_runs, cfg.dtype, other))
+        result.update(summarize_entries(per_prompt, cfg.k, cfg.dtype, other if reference else None))
         # Sampled outputs are compared in distribution, not per sample.
-        result.update(identity(per_prompt[i], compared=cfg.baseline and sampling.greedy))
-        result["per_prompt"] = per_prompt[i]
+        result.update(identity(per_prompt, compared=cfg.baseline and sampling.greedy))
+        result["per_prompt"] = per_prompt
         results.append(result)
     # One drafter: its result is the file (the historic layout). Several: one entry each under
     # "methods", sharing the baseline measured in the same run.
     out = dict(results[0]) if len(results) == 1 else {"methods": results}
     out["config"] = config_to_dict(cfg)
-    out["prompts_evaluated"] = len(base_runs) if cfg.baseline else len(spec_runs[0])
+    out["prompts_evaluated"] = len(finished)
     out["prompts_selected"] = len(records)
-    out["machine_load"] = load_record(load_before, machine_load())
+    if done:
+        out["resumed_prompts"] = len(done)
+    out["machine_load"] = load
     if stopped_early:
         print(
             f"max_minutes={cfg.max_minutes} reached: {out['prompts_evaluated']} of "
-            f"{len(records)} prompts evaluated"
+            f"{len(records)} prompts evaluated; the same command continues the run"
         )
+        if partial is not None:
+            partial.stop(len(new_entries), load_record(load_before, machine_load()))
     out.update(info)
 
     console = _console()
@@ -389,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.out:
         write_json_atomic(cfg.out, out)
         print(f"results written to {cfg.out}")
+        if partial is not None and not stopped_early:
+            partial.finish()
     if cfg.report_to == "wandb":
         for result in results:
             busy = out["machine_load"]["busy"]
@@ -413,6 +476,30 @@ def main(argv: list[str] | None = None) -> int:
                     f"the first differing token: {gaps})"
                 )
     return code
+
+
+def _stop_on_signals() -> dict:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (main thread only); the old handlers."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, stop)
+    return old
+
+
+def _restore_signals(old: dict) -> None:
+    import signal
+
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
 
 
 def _parse_shard(text: str) -> tuple[int, int] | None:

@@ -333,7 +333,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                 "target_hash": target_fingerprint(target_path),  # other weights: refused
             }
             if tokens is not None and cfg.hidden_states == "offline" and cfg.limit is None:
-                expect["dataset_fingerprint"] = dataset_fingerprint(tokens)
+                expect["dataset_fingerprint"] = dataset_fingerprint(tokens, cfg.max_length)
             src = feature_source(
                 cfg.hidden_states,
                 layers=[feature_layer],

@@ -155,7 +155,7 @@ def test_bench_writes_json_markdown_and_plots(setup):
     from PIL import Image
 
     plots = [Path(p) for p in report["outputs"]["plots"]]
-    assert [p.name for p in plots] == list(PLOTS)
+    assert [p.name for p in plots] == list(PLOTS[:3])  # served_vs_concurrency: with vLLM only
     for path in plots:
         assert path.read_bytes()[:8] == PNG_MAGIC, path
         with Image.open(path) as image:
@@ -232,6 +232,31 @@ def test_shards_merge_into_the_rows_of_one_run(setup):
     )
 
 
+def test_rerun_keeps_finished_temperatures_and_continues_a_stopped_one(setup, capsys):
+    """A bench stopped by --max-minutes exits 3 and keeps its prompts; the same command
+    continues it, and a rerun of a finished bench measures nothing again."""
+    from draftsmith.train.decoding.partial import partial_path
+
+    root, argv = setup["root"], setup["argv"]
+    out = root / "resumed" / "bench"
+    # Budget of ~0: evaluate measures the first prompt of greedy, then stops.
+    assert cli(["bench", *argv, "--out", str(out), "--max-minutes", "1e-9"]) == 3
+    assert "the same command continues" in capsys.readouterr().out
+    greedy = out.with_name("bench.t0.json")
+    assert partial_path(greedy).is_file()
+    assert not out.with_name("bench.t0.7.json").exists()  # the bench stopped before T=0.7
+    assert cli(["bench", *argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "resuming:" in text and not partial_path(greedy).exists()
+    full = json.loads(out.with_suffix(".json").read_text())
+    ref = setup["report"]
+    assert [r[:6] for r in results_rows(full)] == [r[:6] for r in results_rows(ref)]
+    stamp = greedy.stat().st_mtime_ns
+    assert cli(["bench", *argv, "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("already measured") == 2 and greedy.stat().st_mtime_ns == stamp
+
+
 def test_bad_inputs_are_one_line_errors(tmp_path, setup, monkeypatch, capsys):
     profile, out = str(setup["profile"]), str(tmp_path / "b")
 
@@ -261,3 +286,203 @@ def test_bad_inputs_are_one_line_errors(tmp_path, setup, monkeypatch, capsys):
     )
     assert "not a bench JSON" in error(["--merge", profile, "--cost-profile", profile])
     assert not list(tmp_path.glob("b*"))  # nothing written
+
+
+# --------------------------------------------------------------------------------------------
+# Served figures (train/report/served.py) against fake OpenAI-compatible servers
+# --------------------------------------------------------------------------------------------
+
+
+class FakeVLLM:
+    """An OpenAI-compatible server with vLLM's ``/metrics``: answers ``answer(prompt_ids)``
+    and counts ``drafts`` / ``accepted`` (per position) speculative counters per request."""
+
+    def __init__(self, answer, *, drafts=0, per_pos=(), delay=0.0):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.answer, self.drafts, self.per_pos, self.delay = answer, drafts, list(per_pos), delay
+        self.counts = {"drafts": 0, "accepted": [0] * len(self.per_pos)}
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body, ctype="application/json"):
+                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    return self._send(200, {"data": [{"id": "tiny", "max_model_len": 512}]})
+                if self.path == "/metrics":
+                    with fake.lock:
+                        c = fake.counts
+                        lines = [
+                            "# TYPE vllm:spec_decode_num_drafts_total counter",
+                            f'vllm:spec_decode_num_drafts_total{{engine="0"}} {c["drafts"]}.0',
+                            "vllm:spec_decode_num_accepted_tokens_total"
+                            f'{{engine="0"}} {sum(c["accepted"])}.0',
+                        ]
+                        lines += [
+                            "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+                            f'{{engine="0",position="{i}"}} {a}.0'
+                            for i, a in enumerate(c["accepted"])
+                        ]
+                    return self._send(200, "\n".join(lines) + "\n", "text/plain")
+                self._send(404, {"error": {"message": "no route"}})
+
+            def do_POST(self):
+                import time
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.in_flight += 1
+                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                time.sleep(fake.delay)
+                tokens = fake.answer(body["prompt"])[: body["max_tokens"]]
+                with fake.lock:
+                    fake.in_flight -= 1
+                    if body["max_tokens"] > 8:  # not the warm-up request
+                        fake.counts["drafts"] += fake.drafts
+                        fake.counts["accepted"] = [
+                            a + p
+                            for a, p in zip(fake.counts["accepted"], fake.per_pos, strict=True)
+                        ]
+                choice = {"index": 0, "text": "", "token_ids": tokens, "finish_reason": "length"}
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(tokens)}
+                self._send(200, {"choices": [choice], "usage": usage})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_spec_metrics_are_summed_over_engines_and_positions():
+    from draftsmith.train.report.served import parse_spec_metrics
+
+    text = """# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 5.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 45.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 6.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 99.0
+"""
+    assert parse_spec_metrics(text) == {
+        "drafts": 15,
+        "draft_tokens": 45,
+        "accepted": 9,
+        "accepted_per_pos": [6, 3],
+    }
+    assert parse_spec_metrics("")["accepted_per_pos"] == []
+
+
+def test_measure_holds_c_requests_in_flight_and_reads_tau_from_the_counters():
+    from draftsmith.train.datagen.endpoint import EndpointClient
+    from draftsmith.train.report.served import measure, read_spec_metrics
+
+    prompts = [[1, 2, i] for i in range(8)]
+    with FakeVLLM(lambda p: [5] * 10, drafts=4, per_pos=(3, 1), delay=0.05) as srv:
+        client = EndpointClient(srv.url)
+        level = measure(
+            client,
+            "tiny",
+            prompts,
+            max_new_tokens=10,
+            stop_token_ids=[0],
+            concurrency=4,
+            metrics=lambda: read_spec_metrics(srv.url),
+        )
+        assert srv.max_in_flight == 4
+    assert level["requests"] == 8 and level["new_tokens"] == 80
+    assert level["spec_decode"]["drafts"] == 32 and level["spec_decode"]["accepted"] == 32
+    # Every forward emits its accepted tokens + 1: 80 tokens, 32 accepted -> 48 forwards.
+    assert level["acceptance_length"] == pytest.approx(80 / 48)
+    assert level["acceptance_rate_per_position"] == [0.75, 0.25]
+    assert 0.05 <= level["latency_p50_s"] <= level["latency_p95_s"]
+    assert level["tokens_per_second"] == pytest.approx(80 / level["wall_s"])
+
+
+def test_bench_serves_urls_and_flags_a_tau_gap(setup, capsys):
+    """--vllm-url plain=... ngram=...: the finished bench is kept, the servers are measured at
+    each concurrency, the n-gram server's τ is compared with ours and its gap flagged."""
+    import shutil
+
+    argv = setup["argv"]
+    # A copy of the finished bench: both temperatures are kept, not measured again.
+    shutil.copytree(setup["out"].parent, setup["root"] / "served")
+    out = setup["root"] / "served" / setup["out"].name
+    greedy = json.loads(out.with_name("bench.t0.json").read_text())
+    ours = greedy["methods"][0]  # ngram
+    served_ids = [p["id"] for p in ours["per_prompt"]][:3]
+
+    def answer(prompt):  # the same 12 tokens for both servers: outputs identical
+        return list(range(3, 15))
+
+    with (
+        FakeVLLM(answer, delay=0.02) as plain,
+        FakeVLLM(answer, drafts=6, per_pos=(5, 4, 0), delay=0.01) as spec,
+    ):
+        code = cli(
+            [
+                "bench",
+                *argv,
+                "--out",
+                str(out),
+                "--vllm-url",
+                f"plain={plain.url}",
+                f"ngram={spec.url}",
+                "--served-concurrency",
+                "1",
+                "2",
+                "--served-limit",
+                "3",
+            ]
+        )
+    text = capsys.readouterr().out
+    assert code == 0 and text.count("already measured") == 2
+    report = json.loads(out.with_suffix(".json").read_text())
+    served = report["served"]
+    assert served["prompt_ids"] == [str(i) for i in served_ids]
+    assert [r["label"] for r in served["rows"]] == ["plain", "ngram"]
+    levels = served["rows"][1]["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2]
+    for lv in levels:
+        assert lv["identical_to_plain"] == 3 and lv["speedup"] > 0
+        # 12 tokens and 9 accepted per request: 3 forwards each, τ = 4 (ours is far lower).
+        assert lv["acceptance_length"] == pytest.approx(4.0)
+        assert lv["acceptance_rate_per_position"] == pytest.approx([5 / 6, 4 / 6, 0.0])
+        assert lv["tau_ours"] < 3.6 and lv["tau_gap_flag"] is True and "outputs" not in lv
+    md = out.with_suffix(".md").read_text()
+    assert "## Served by vLLM" in md and "over 10%" in md
+    plot = out.with_name("bench_plots") / "served_vs_concurrency.png"
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    assert "served: ngram c=2" in text
+
+
+def test_serving_flags_are_checked(setup, tmp_path, capsys):
+    profile = str(setup["profile"])
+    out = str(tmp_path / "b")
+    argv = ["bench", "--cost-profile", profile, "--out", out]
+    assert cli([*argv, "--shard", "0/2", "--vllm-url", "http://127.0.0.1:1"]) == 2
+    assert "serve once, after merging" in capsys.readouterr().err
+    assert cli([*argv, "--vllm-python", str(tmp_path / "nope" / "python")]) == 2
+    assert "nope/python not found" in capsys.readouterr().err

@@ -489,3 +489,96 @@ def test_differing_outputs_are_reported_by_prompt_id(
         assert "differs from plain greedy for prompts" in err.err
     else:
         assert "each at a near-tie" in err.out
+
+
+def test_stopped_run_resumes_where_it_stopped(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    """Ctrl-C keeps the finished prompts; the same command measures only the rest and its
+    results equal an uninterrupted run's (every counter but the clock)."""
+    import draftsmith.recipes.evaluate as ev
+    from draftsmith.train.decoding.partial import partial_path
+
+    common = [
+        "--target",
+        str(tiny_target_dir),
+        "--drafter",
+        "ngram",
+        "draft-lm",
+        "--draft-layers",
+        "0",
+        "--k",
+        "2",
+        "--max-new-tokens",
+        "10",
+        "--limit",
+        "5",
+    ]
+    whole = tmp_path / "whole.json"
+    assert evaluate([*common, "--out", str(whole)]) == 0
+    assert not partial_path(whole).exists()  # removed once the results are written
+
+    out = tmp_path / "resumed.json"
+    real, calls = ev.generate, []
+
+    def interrupted(*args, **kwargs):  # Ctrl-C in the third prompt's plain run
+        if kwargs["max_new_tokens"] == 10:  # not a warm-up run
+            calls.append(1)  # 4 runs per prompt: plain, the fp32/bf16 reference, 2 drafters
+            if len(calls) == 2 * 4 + 1:
+                raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "generate", interrupted)
+    assert evaluate([*common, "--out", str(out)]) == 130
+    assert "2 of 5 prompts done" in capsys.readouterr().err
+    assert not out.exists() and partial_path(out).is_file()
+    lines = partial_path(out).read_text().splitlines()
+    assert len(lines) == 1 + 2 + 1  # header, two prompts, the stopped segment
+
+    monkeypatch.setattr(ev, "generate", real)
+    assert evaluate([*common, "--threads", "1", "--out", str(out)]) == 0  # threads may change
+    assert "resuming: 2 of 5 prompts already done" in capsys.readouterr().out
+    a, b = json.loads(whole.read_text()), json.loads(out.read_text())
+    assert b["prompts_evaluated"] == 5 and b["resumed_prompts"] == 2
+    assert len(b["machine_load"]["segments"]) == 2
+    for ma, mb in zip(a["methods"], b["methods"], strict=True):
+        assert [p["id"] for p in mb["per_prompt"]] == [p["id"] for p in ma["per_prompt"]]
+        for key in ("new_tokens", "target_forwards", "acceptance_length", "draft_steps"):
+            assert mb[key] == ma[key], key
+        assert mb["acceptance_rate_per_position"] == ma["acceptance_rate_per_position"]
+        assert mb["identical_to_target"] is True
+    assert not partial_path(out).exists()
+
+
+def test_resume_refuses_other_settings_and_no_resume_starts_over(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.train.decoding.partial import partial_path
+
+    common = ["--target", str(tiny_target_dir), "--max-new-tokens", "8", "--limit", "3"]
+    out = tmp_path / "r.json"
+    assert evaluate([*common, "--max-minutes", "1e-9", "--out", str(out)]) == 0
+    assert partial_path(out).is_file()  # stopped by the budget: kept for the rerun
+    capsys.readouterr()
+    assert evaluate([*common, "--k", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "other settings (k)" in err and "--no-resume" in err
+    assert evaluate([*common, "--k", "3", "--no-resume", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["prompts_evaluated"] == 3
+    assert "resumed_prompts" not in json.loads(out.read_text())
+    assert not partial_path(out).exists()
+
+
+def test_partial_file_drops_a_line_cut_by_a_kill(tmp_path):
+    from draftsmith.train.decoding.partial import PartialRun
+
+    out = tmp_path / "r.json"
+    run = PartialRun(out, {"k": 2, "threads": 1}, ["plain", "ngram"])
+    assert run.load(resume=True) == {}
+    run.add("a", [{"x": 1}, {"x": 2}])
+    with open(run.path, "a") as f:
+        f.write('{"id": "b", "entries": [{"x"')  # killed mid-write
+    again = PartialRun(out, {"k": 2, "threads": 2}, ["plain", "ngram"])
+    assert again.load(resume=True) == {"a": [{"x": 1}, {"x": 2}]}
+    again.add("b", [{"x": 3}, {"x": 4}])
+    third = PartialRun(out, {"k": 2}, ["plain", "ngram"])
+    assert set(third.load(resume=True)) == {"a", "b"}
+    other = PartialRun(out, {"k": 2}, ["plain", "suffix"])
+    with pytest.raises(Exception, match="other settings"):
+        other.load(resume=True)

@@ -437,11 +437,15 @@ def busy_warning(record: dict[str, Any] | None) -> str | None:
 
     Args:
         record: a ``machine_load`` as :func:`load_record` writes it; merged shard results keep
-            theirs under ``shards``.
+            theirs under ``shards``, resumed runs each segment's under ``segments``.
     """
     if not record:
         return None
-    records = [record, *(record.get("shards") or [])]
+    records, todo = [], [record]
+    while todo:  # merged shards keep theirs under "shards", resumed segments under "segments"
+        r = todo.pop(0)
+        records.append(r)
+        todo += [*(r.get("shards") or []), *(r.get("segments") or [])]
     snaps = [
         (when, r[when])
         for r in records

@@ -141,6 +141,32 @@ def fastest_plain(result: dict, ref_runs: list, dtype: str, other: str) -> dict:
     }
 
 
+def summarize_entries(
+    entries: list[dict], k: int, dtype: str, other_dtype: str | None = None
+) -> dict[str, Any]:
+    """One method's summary metrics recomputed from its per-prompt entries (raw counters).
+
+    Args:
+        entries: the method's :func:`prompt_entry` dicts (from one run, shards or segments).
+        k: draft tokens per step.
+        dtype: the target's dtype in the run.
+        other_dtype: the dtype of the interleaved plain reference, when every entry has one.
+
+    Returns:
+        :func:`~draftsmith.train.decoding.metrics.summarize`'s figures, plus
+        :func:`fastest_plain`'s when the reference was measured.
+    """
+    runs = [GenerationOutput(tokens=p["output_ids"], **p["counters"]) for p in entries]
+    base = None
+    if entries and all("baseline_counters" in p for p in entries):
+        base = [from_counters(p["baseline_counters"]) for p in entries]
+    out = summarize(runs, k, base)
+    if other_dtype and entries and all("reference_counters" in p for p in entries):
+        refs = [from_counters(p["reference_counters"]) for p in entries]
+        out.update(fastest_plain(out, refs, dtype, other_dtype))
+    return out
+
+
 def merge_results(paths: list[Path]) -> dict:
     """Merge results JSONs of shards of one evaluation into one, recomputing every metric.
 
@@ -186,18 +212,11 @@ def merge_results(paths: list[Path]) -> dict:
         missing = [p["id"] for p in entries if "counters" not in p]
         if missing:
             raise ValueError(f"{name}: prompts {missing[:5]} have no counters (old results file)")
-        runs = [GenerationOutput(tokens=p["output_ids"], **p["counters"]) for p in entries]
-        base = None
-        if all("baseline_counters" in p for p in entries):
-            base = [from_counters(p["baseline_counters"]) for p in entries]
         template = first_methods[i]
         result = {key: template[key] for key in ("method", "k", "temperature", "adaptive_k")}
         result["dtype"] = template.get("dtype", "float32")
-        result.update(summarize(runs, k, base))
-        if all("reference_counters" in p for p in entries):
-            refs = [from_counters(p["reference_counters"]) for p in entries]
-            other = template["reference_plain"]["dtype"]
-            result.update(fastest_plain(result, refs, result["dtype"], other))
+        other = (template.get("reference_plain") or {}).get("dtype")
+        result.update(summarize_entries(entries, k, result["dtype"], other))
         # Sampled runs compare in distribution, not per sample (as one run reports them).
         greedy = first["config"].get("temperature", 0.0) == 0
         flags = [p.get("identical_to_target") for p in entries]

@@ -425,6 +425,29 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             )
         cols = ["run", "validations", "minutes", "last sim τ", "best sim τ", "measured τ"]
         lines += [markdown_table(cols, rows), ""]
+    served = report.get("served")
+    if served:
+        from draftsmith.train.report.served import SERVED_COLUMNS, served_rows
+
+        version = served.get("vllm_version") or "?"
+        lines += [
+            "## Served by vLLM",
+            "",
+            f"vLLM {version}, target {served['target']} in {served['dtype']}, the first "
+            f"{served['prompts']} prompts above, greedy, {served['max_new_tokens']} new tokens, "
+            "each export served by its own server (exports under `"
+            + str(Path(report["outputs"]["json"]).with_suffix("").name)
+            + "_served/`). At each concurrency c, c requests are in flight at once; tok/s is "
+            "all new tokens / wall time, speedup is over the plain server at the same c, "
+            "latency is per request. τ vLLM is from its `vllm:spec_decode_*` counters, τ ours "
+            "from our greedy run on the same prompts; a gap over "
+            f"{100 * served['tau_gap_threshold']:.0f}% is marked.",
+            "",
+            markdown_table(SERVED_COLUMNS, served_rows(served)),
+            "",
+        ]
+        lines += [f"- not served: {s['drafter']}: {s['reason']}" for s in served["skipped"]]
+        lines += [""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     lines += [

@@ -16,7 +16,12 @@ from draftsmith.train.report.text import is_finite_number
 __all__ = ["PLOTS", "write_plots", "write_quickstart_plots"]
 
 #: The bench's plot files, in the order :func:`write_plots` writes them.
-PLOTS = ("alpha_by_position.png", "speedup_vs_k.png", "tau_vs_training.png")
+PLOTS = (
+    "alpha_by_position.png",
+    "speedup_vs_k.png",
+    "tau_vs_training.png",
+    "served_vs_concurrency.png",
+)
 
 
 def _pyplot():
@@ -130,6 +135,30 @@ def write_plots(report: dict[str, Any], folder: Path) -> list[Path]:
         ax.legend(fontsize=7)
         ax.set_title("τ vs training time")
         _save(fig, folder / PLOTS[2], written)
+
+    # Served by vLLM: tokens/s and speedup over the plain server against requests in flight.
+    served = report.get("served") or {}
+    if served.get("rows"):
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for row in served["rows"]:
+            conc = [lv["concurrency"] for lv in row["levels"]]
+            left.plot(
+                conc, [lv["tokens_per_second"] for lv in row["levels"]], "o-", label=row["label"]
+            )
+            if row["label"] != "plain" and any(lv.get("speedup") for lv in row["levels"]):
+                right.plot(
+                    conc, [lv.get("speedup") or 0 for lv in row["levels"]], "o-", label=row["label"]
+                )
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("requests in flight")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        left.set_ylabel("tokens/s (all requests)")
+        right.set_ylabel("speedup over the plain server")
+        right.axhline(1.0, color="grey", lw=0.8)
+        fig.suptitle("served by vLLM")
+        _save(fig, folder / PLOTS[3], written)
     return written
 
 

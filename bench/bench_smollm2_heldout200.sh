@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 14: the committed bench. Every trained drafter on the 200 held-out prompts of
+# ../shared/data/alpaca_2k.jsonl, greedy and T = 0.7, one interleaved plain bf16 baseline (plain
+# fp32 timed beside it), two shards of one thread each, then merged.
+#
+# Resumable: each shard keeps its finished prompts (OUT.t<T>.json.partial.jsonl); rerunning this
+# script continues where it stopped (kill -TERM the two `draftsmith bench` processes to pause).
+# MAX_MINUTES (per evaluate run) bounds one sitting; the script then exits and is rerun later.
+set -x
+cd /work/main
+R=runs
+common="--prompts ../shared/data/alpaca_2k.jsonl --split heldout --limit 200 \
+  --dtype bfloat16 --draft-dtype float32 --threads 1 --k 3 --max-new-tokens 128 \
+  --temperatures 0 0.7 ${MAX_MINUTES:+--max-minutes $MAX_MINUTES} \
+  --drafter ngram draft-lm=$R/distill_smollm2_mix/draft hf-assisted=$R/distill_smollm2_mix/draft \
+  medusa=$R/medusa1_smollm2_mix/heads medusa-tree=$R/medusa1_smollm2_mix/heads \
+  eagle=$R/eagle1_smollm2_mix/best \
+  eagle=$R/eagle3_smollm2_mix/best eagle-tree=$R/eagle3_smollm2_mix/best hf-prompt-lookup"
+date
+draftsmith bench $common --shard 0/2 --out bench/heldout200/s0 > logs/bench200_s0.log 2>&1 &
+draftsmith bench $common --shard 1/2 --out bench/heldout200/s1 > logs/bench200_s1.log 2>&1 &
+wait
+date
+if [ -f bench/heldout200/s0.json ] && [ -f bench/heldout200/s1.json ] && \
+   ! ls bench/heldout200/*.partial.jsonl > /dev/null 2>&1; then
+  draftsmith bench --merge bench/heldout200/s0.json bench/heldout200/s1.json \
+    --out bench/bench_smollm2_heldout200 \
+    --training-logs runs/eagle3_smollm2 runs/eagle3_smollm2_mix runs/eagle1_smollm2_mix \
+    runs/medusa1_smollm2_mix runs/distill_smollm2_mix > logs/bench200_merge.log 2>&1
+fi
+date
