@@ -181,6 +181,38 @@ def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def test_offline_cache_of_truncated_samples_is_accepted(tmp_path, tiny_target_dir):
+    """A cache built at max_length from longer samples matches the trainer's data (the
+    fingerprint is taken over the samples as truncated to max_length, as the cache's is)."""
+    from draftsmith.train.core.data import load_samples
+    from draftsmith.train.data.chat import template_fingerprint
+    from draftsmith.train.features.cache_write import build_cache
+
+    target, tokenizer = load_target(tiny_target_dir)
+    data = write_records(tmp_path / "data.jsonl")
+    tokens, _ = load_samples(data, tokenizer, max_length=96, split="all")
+    assert max(len(ids) for ids in tokens["input_ids"]) > 40  # some samples get truncated
+    build_cache(
+        target,
+        tokens,
+        tmp_path / "cache",
+        [4],
+        dtype="fp32",
+        max_length=40,
+        template_fingerprint=template_fingerprint(tokenizer),
+        progress=False,
+    )
+    offline = args(
+        tmp_path,
+        tiny_target_dir,
+        save_every=0,
+        max_length=40,
+        hidden_states="offline",
+        hidden_states_cache=tmp_path / "cache",
+    )
+    assert train_medusa(offline) == 0
+
+
 def test_medusa2_writes_the_merged_target(tmp_path, tiny_target_dir):
     argv = args(
         tmp_path,
