@@ -233,6 +233,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
     from draftsmith.train.data.chat import template_fingerprint
     from draftsmith.train.features.cache_format import DTYPES
+    from draftsmith.train.features.cache_read import cached_max_length
     from draftsmith.train.features.source import (
         dataset_fingerprint,
         feature_source,
@@ -333,7 +334,10 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                 "target_hash": target_fingerprint(target_path),  # other weights: refused
             }
             if tokens is not None and cfg.hidden_states == "offline" and cfg.limit is None:
-                expect["dataset_fingerprint"] = dataset_fingerprint(tokens, cfg.max_length)
+                # The data as the cache truncated it: the cache may be longer than the run's
+                # max_length (samples are cut again on read).
+                built = cached_max_length(cfg.hidden_states_cache)
+                expect["dataset_fingerprint"] = dataset_fingerprint(tokens, built)
             src = feature_source(
                 cfg.hidden_states,
                 layers=[feature_layer],

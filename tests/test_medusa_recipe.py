@@ -150,23 +150,32 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
         assert generate(target, prompt, proposer, k=3, max_new_tokens=24).tokens == plain.tokens
 
 
-def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
+def cache_final_layer(tmp_path, target_dir, max_length: int | None = None) -> list[int]:
+    """The tiny target's final hidden states of write_records' data, cached in tmp_path/cache;
+    the samples' lengths before truncation to ``max_length``."""
     from draftsmith.train.core.data import load_samples
     from draftsmith.train.data.chat import template_fingerprint
     from draftsmith.train.features.cache_write import build_cache
 
-    assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
-    target, tokenizer = load_target(tiny_target_dir)
-    tokens, _ = load_samples(tmp_path / "data.jsonl", tokenizer, max_length=96, split="all")
+    target, tokenizer = load_target(target_dir)
+    data = write_records(tmp_path / "data.jsonl")
+    tokens, _ = load_samples(data, tokenizer, max_length=96, split="all")
     build_cache(
         target,
         tokens,
         tmp_path / "cache",
         [4],
         dtype="fp32",
+        max_length=max_length,
         template_fingerprint=template_fingerprint(tokenizer),
         progress=False,
     )
+    return [len(ids) for ids in tokens["input_ids"]]
+
+
+def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
+    assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
+    cache_final_layer(tmp_path, tiny_target_dir)
     offline = args(
         tmp_path,
         tiny_target_dir,
@@ -184,24 +193,8 @@ def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir)
 def test_offline_cache_of_truncated_samples_is_accepted(tmp_path, tiny_target_dir):
     """A cache built at max_length from longer samples matches the trainer's data (the
     fingerprint is taken over the samples as truncated to max_length, as the cache's is)."""
-    from draftsmith.train.core.data import load_samples
-    from draftsmith.train.data.chat import template_fingerprint
-    from draftsmith.train.features.cache_write import build_cache
-
-    target, tokenizer = load_target(tiny_target_dir)
-    data = write_records(tmp_path / "data.jsonl")
-    tokens, _ = load_samples(data, tokenizer, max_length=96, split="all")
-    assert max(len(ids) for ids in tokens["input_ids"]) > 40  # some samples get truncated
-    build_cache(
-        target,
-        tokens,
-        tmp_path / "cache",
-        [4],
-        dtype="fp32",
-        max_length=40,
-        template_fingerprint=template_fingerprint(tokenizer),
-        progress=False,
-    )
+    lengths = cache_final_layer(tmp_path, tiny_target_dir, max_length=40)
+    assert max(lengths) > 40  # some samples are truncated
     offline = args(
         tmp_path,
         tiny_target_dir,

@@ -21,7 +21,17 @@ from draftsmith.train.features.cache_format import (
     CacheMismatchError,
 )
 
-__all__ = ["HiddenStateCache"]
+__all__ = ["HiddenStateCache", "cached_max_length"]
+
+
+def cached_max_length(path: str | Path) -> int | None:
+    """The ``max_length`` a cache was built with (its samples truncated to it), or None when
+    it has none or no readable manifest (opening the cache then names the problem)."""
+    try:
+        value = json.loads((Path(path) / MANIFEST_FILE).read_text()).get("max_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 class HiddenStateCache(torch.utils.data.Dataset):
