@@ -570,6 +570,7 @@ class Quickstart(StageJob):
             output=output,
             complete=lambda: "acceptance_length" in read_json(output),
             identity={**settings, "drafter": drafter.name, "target": cfg.target},
+            restart=("--no-resume",),  # other settings: not the prompts of a stopped run
             estimate_s=plan.estimates["evaluate"],
         )
 

@@ -333,6 +333,22 @@ def test_ctrl_c_keeps_the_stage_resumable(tmp_path, monkeypatch, capsys, job):
     assert "resumes: draftsmith quickstart --target" in capsys.readouterr().err
 
 
+def test_a_command_that_catches_ctrl_c_itself_marks_the_stage_interrupted(
+    tmp_path, monkeypatch, capsys, job
+):
+    """evaluate catches Ctrl-C/SIGTERM, keeps its finished prompts and exits 130: the stage is
+    interrupted (resumable), not failed."""
+    from draftsmith.recipes import cli as cli_module
+    from draftsmith.recipes import quickstart
+
+    monkeypatch.setattr(cli_module, "main", lambda argv: 130)
+    out = tmp_path / "out"
+    code = quickstart.main(["--target", str(job.target), "--out-dir", str(out), *SMALL])
+    assert code == 130
+    assert state(out)["stages"]["prepare"]["status"] == "interrupted"
+    assert "failed" not in capsys.readouterr().err
+
+
 def test_more_prompts_extend_the_data_and_retrain(job):
     """Runs last (it changes the module's job): a larger --num-prompts extends the prompts and
     answers already made, then redoes every later stage from scratch."""

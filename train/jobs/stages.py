@@ -269,6 +269,9 @@ class StageJob:
             raise
         finally:
             gc.collect()  # each stage loads its own target: free the last one first
+        if code == 130:  # the command caught Ctrl-C/SIGTERM itself and kept its output
+            self._finish(rec, start, "interrupted")
+            raise StageInterrupted(header)
         note = stage.accept(code) if (code and stage.accept is not None) else None
         if code and note is None:
             self._finish(rec, start, "failed", error=f"exit code {code}")
