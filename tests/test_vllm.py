@@ -238,3 +238,23 @@ def test_eagle1_export(tmp_path, target):
 )
 def test_medusa_export(tmp_path):
     _check(run_check(tmp_path, "medusa", Path(os.environ["DRAFTSMITH_MEDUSA_EXPORT"])))
+
+
+def test_bench_serves_the_ngram_drafter_and_matches_our_tau(tmp_path):
+    """`draftsmith bench --vllm-python`: our run, then plain and n-gram vLLM servers at 1 and 2
+    requests in flight; at batch 1 vLLM's outputs equal plain vLLM's and its τ is ours."""
+    from draftsmith.recipes.cli import main as cli
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--target", str(TARGET), "--prompts", str(PROMPTS), "--split", "heldout"]
+    argv += ["--limit", "3", "--max-new-tokens", "48", "--drafter", "ngram", "--k", str(K)]
+    argv += ["--temperatures", "0", "--no-reference-plain", "--threads", "2", "--out", str(out)]
+    argv += ["--vllm-python", str(VLLM_PYTHON), "--served-concurrency", "1", "2"]
+    assert cli([*argv, "--served-limit", "3"]) == 0
+    served = json.loads(out.with_suffix(".json").read_text())["served"]
+    assert [r["label"] for r in served["rows"]] == ["plain", "ngram"]
+    one = served["rows"][1]["levels"][0]
+    assert one["concurrency"] == 1 and one["identical_to_plain"] == 3
+    assert one["spec_decode"]["drafts"] > 0
+    assert abs(one["tau_gap"]) <= 0.10, (one["acceptance_length"], one["tau_ours"])
+    assert "## Served by vLLM" in out.with_suffix(".md").read_text()
