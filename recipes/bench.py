@@ -114,6 +114,13 @@ class BenchConfig:
         "sampled (τ and α reported; lossless in distribution)",
         ge=0,
     )
+    sampled_limit: int | None = cfg_field(
+        None,
+        help="sampled temperatures (> 0) evaluate only the first N prompts (of --limit's, each "
+        "shard its share): greedy carries the speed figures and the token-for-token check; a "
+        "sampled run's τ and lossless check need fewer prompts. None: all, as greedy",
+        ge=1,
+    )
     dtype: str = cfg_field(
         "float32",
         help="target dtype (evaluate's --dtype); also selects the cost profile's entry",
@@ -232,7 +239,26 @@ def _evaluate_argv(cfg: BenchConfig, temperature: float, out: Path) -> list[str]
         argv += ["--threads", str(cfg.threads)]
     if cfg.shard:
         argv += ["--shard", cfg.shard]
-    return [*argv, *cfg.evaluate_args, "--temperature", f"{temperature:g}", "--out", str(out)]
+    argv += [*cfg.evaluate_args, "--temperature", f"{temperature:g}", "--out", str(out)]
+    if temperature > 0 and cfg.sampled_limit is not None:
+        # After evaluate_args: the last --limit is the one evaluate takes.
+        limit = _given_limit(cfg.evaluate_args)
+        argv += ["--limit", str(min(cfg.sampled_limit, limit or cfg.sampled_limit))]
+    return argv
+
+
+def _given_limit(args: list[str]) -> int | None:
+    """The last ``--limit N`` / ``--limit=N`` among evaluate's flags (None: every prompt)."""
+    limit = None
+    for i, arg in enumerate(args):
+        if arg == "--limit" and i + 1 < len(args):
+            limit = args[i + 1]
+        elif arg.startswith("--limit="):
+            limit = arg.split("=", 1)[1]
+    try:
+        return int(limit) if limit is not None else None
+    except ValueError:
+        return None  # evaluate names the bad value itself
 
 
 def _finished(raw: Path, argv: list[str]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,27 @@ def test_rerun_keeps_finished_temperatures_and_continues_a_stopped_one(setup, ca
     assert cli(["bench", *argv, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert text.count("already measured") == 2 and greedy.stat().st_mtime_ns == stamp
+
+
+def test_sampled_limit_measures_sampled_temperatures_on_the_first_prompts(setup, tmp_path, capsys):
+    """--sampled-limit N: greedy keeps every prompt (kept, not measured again), the sampled run
+    takes the first N; never more than --limit gives."""
+    for raw in setup["out"].parent.glob("bench.t*.json"):
+        shutil.copy(raw, tmp_path / raw.name)
+    out = tmp_path / "bench"
+    argv = [*setup["argv"], "--out", str(out)]
+    assert cli(["bench", *argv, "--sampled-limit", "2"]) == 0
+    assert capsys.readouterr().out.count("already measured") == 1  # greedy only
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert {r["temperature"]: r["prompts_evaluated"] for r in report["runs"]} == {0.0: 4, 0.7: 2}
+    sampled = json.loads(out.with_name("bench.t0.7.json").read_text())
+    full = json.loads(setup["out"].with_name("bench.t0.7.json").read_text())
+    ids = [p["id"] for p in full["methods"][0]["per_prompt"]]
+    assert [p["id"] for p in sampled["methods"][0]["per_prompt"]] == ids[:2]
+    # Over --limit: the 4 prompts --limit gives, which the first run measured.
+    shutil.copy(setup["out"].with_name("bench.t0.7.json"), out.with_name("bench.t0.7.json"))
+    assert cli(["bench", *argv, "--sampled-limit", "10"]) == 0
+    assert capsys.readouterr().out.count("already measured") == 2
 
 
 def test_bad_inputs_are_one_line_errors(tmp_path, setup, monkeypatch, capsys):
