@@ -79,7 +79,7 @@ from draftsmith.train.report.bench import (
 from draftsmith.train.report.recommend import default_cost_profile, load_costs
 from draftsmith.train.report.served import serve, served_lines
 from draftsmith.train.report.text import console, fmt_number
-from draftsmith.train.runinfo import load_record, machine_load, run_info
+from draftsmith.train.runinfo import load_record, machine_load, run_info, sibling_load
 
 __all__ = ["BenchConfig", "main", "parse", "run"]
 
@@ -300,7 +300,14 @@ def _call(argv: list[str]) -> int:
 def run(cfg: BenchConfig) -> int:
     """Run (or merge) the bench and write its outputs; the exit code of the worst run."""
     info = run_info()  # at the start: the code and versions that actually ran
-    load_before = machine_load()
+    # The other shards of a --shard run (one process per core by design) are expected load.
+    siblings = 0.0
+    if cfg.shard and "/" in cfg.shard:
+        import torch
+
+        shards = int(cfg.shard.split("/")[1])
+        siblings = sibling_load(shards, cfg.threads or torch.get_num_threads())
+    load_before = machine_load(sibling_load=siblings)
     stem = _stem(cfg.out)
     profile = cfg.cost_profile or default_cost_profile()
     # Every input is checked before the first (long) evaluate run.
@@ -347,7 +354,7 @@ def run(cfg: BenchConfig) -> int:
     report = build_report(runs, stem, profile, cfg.max_k, training)
     report["bench"].update(shard=cfg.shard, merged_from=merged_from)
     report["config"] = config_to_dict(cfg)
-    report["machine_load"] = load_record(load_before, machine_load())
+    report["machine_load"] = load_record(load_before, machine_load(sibling_load=siblings))
     report.update(info)
     outputs = write_outputs(report, stem)
     if cfg.vllm_python is not None or cfg.vllm_url:

@@ -56,6 +56,7 @@ from draftsmith.train.runinfo import (
     load_record,
     machine_load,
     run_info,
+    sibling_load,
     wandb_mode,
     write_json_atomic,
 )
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    # The other shards of a --shard run (one process per core by design) are expected load.
+    siblings = sibling_load(_parse_shard(cfg.shard)[1], torch.get_num_threads()) if cfg.shard else 0
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     info = run_info()  # taken at the start: the code and versions that actually ran
 
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         run(drafter, prompts[0], max_new_tokens=8)
     if reference is not None:
         generate(reference, prompts[0], None, **{**common, "max_new_tokens": 8})
-    load_before = machine_load()
+    load_before = machine_load(sibling_load=siblings)
     stopped_early = False
     base_runs: list = []
     ref_runs: list = []
@@ -389,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         if partial is None:
             print("\ninterrupted (no --out: nothing kept)", file=sys.stderr)
             return 130
-        partial.stop(len(new_entries), load_record(load_before, machine_load()))
+        partial.stop(
+            len(new_entries), load_record(load_before, machine_load(sibling_load=siblings))
+        )
         print(
             f"\ninterrupted: {len(done) + len(new_entries)} of {len(records)} prompts done and "
             f"kept in {partial.path}; the same command continues",
@@ -405,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     # prompt file's order, exactly as `--merge` recomputes shards.
     finished = [done.get(str(r.id)) or new_entries.get(str(r.id)) for r in records]
     finished = [e for e in finished if e is not None]
-    load = load_record(load_before, machine_load())
+    load = load_record(load_before, machine_load(sibling_load=siblings))
     if partial is not None and partial.segments:  # earlier segments ran under their own load
         segments = [s["machine_load"] for s in partial.segments] + [load]
         load = {"segments": segments, "busy": any(s.get("busy") for s in segments)}
@@ -439,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(records)} prompts evaluated; the same command continues the run"
         )
         if partial is not None:
-            partial.stop(len(new_entries), load_record(load_before, machine_load()))
+            partial.stop(
+                len(new_entries), load_record(load_before, machine_load(sibling_load=siblings))
+            )
     out.update(info)
 
     console = _console()

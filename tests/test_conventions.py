@@ -309,6 +309,35 @@ def test_machine_load_rule_and_busy_processes_from_proc(monkeypatch):
     assert "\n" not in warning
 
 
+def test_the_other_shards_of_a_sharded_run_are_expected_load(monkeypatch):
+    """Two shards of one thread on 2 cores load both cores by design: that is not a busy
+    machine; a third process beside them is. Files written before ``sibling_load`` existed are
+    judged by the same rule when merged (n shards: n - 1 siblings beside each)."""
+    _fake_load(monkeypatch, 2.0)  # this shard 1.0 + its sibling 1.0
+    assert runinfo.sibling_load(2, 1, cores=2) == 1.0
+    assert runinfo.sibling_load(2, 2, cores=2) == 0.0  # no core left for a sibling's share
+    shard = runinfo.machine_load(own_load=1.0, sibling_load=runinfo.sibling_load(2, 1, 2))
+    assert shard["busy"] is False and shard["sibling_load"] == 1.0
+    alone = runinfo.machine_load(own_load=1.0)
+    assert alone["busy"] is True
+    hog = [{"pid": 4242, "name": "hog", "cores": 0.97, "command": "hog"}]
+    monkeypatch.setattr(runinfo, "busy_processes", lambda: hog)
+    _fake_load(monkeypatch, 3.0)  # a hog beside the two shards
+    crowded = runinfo.machine_load(own_load=1.0, sibling_load=1.0)
+    assert crowded["busy"] is True
+    warning = runinfo.busy_warning(runinfo.load_record(shard, crowded))
+    assert "and its other shards' 1.00" in warning and "hog (pid 4242" in warning
+    # An old shard record: no sibling_load, busy counted the sibling as other work.
+    old = {k: v for k, v in alone.items() if k != "sibling_load"}
+    old_record = runinfo.load_record(old, old)
+    assert runinfo.busy_warning(old_record) is not None  # alone: the load was other work
+    merged = {"shards": [old_record, old_record], "busy": True}
+    assert runinfo.busy_warning(merged) is None
+    crowded_old = {k: v for k, v in crowded.items() if k != "sibling_load"}
+    merged = {"shards": [old_record, runinfo.load_record(crowded_old, crowded_old)], "busy": True}
+    assert "hog (pid 4242" in runinfo.busy_warning(merged)
+
+
 def test_evaluate_and_bench_warn_when_busy(tiny_target_dir, tmp_path, monkeypatch, capsys):
     fake = [{"pid": 4242, "name": "hog", "cores": 0.97, "command": "hog --all-cores"}]
     monkeypatch.setattr(runinfo, "busy_processes", lambda: fake)

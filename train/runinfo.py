@@ -287,19 +287,22 @@ def staged_dir(out: str | Path, *, overwrite: bool, need_bytes: int = 0) -> Iter
 BUSY_SHARE = 0.5
 
 
-def machine_load(own_load: float | None = None) -> dict[str, Any]:
+def machine_load(own_load: float | None = None, sibling_load: float = 0.0) -> dict[str, Any]:
     """The load average and core count: a busy 2-core machine skews every timing.
 
     Results JSONs record it before and after a timed run, so a reader can tell whether another
     job shared the cores. The rule (docs/metrics.md, "Busy machine"): the 1-min load average
     counts runnable threads, this process's included, so ``load_beyond_own`` = load average −
     ``own_load`` (this process's share of it, :func:`process_load_share`); the machine is
-    ``busy`` when that is at least :data:`BUSY_SHARE` × cores. When busy, ``busy_processes``
-    names the other processes using the CPU right now (:func:`busy_processes`).
+    ``busy`` when that, less ``sibling_load``, is at least :data:`BUSY_SHARE` × cores. When
+    busy, ``busy_processes`` names the other processes using the CPU right now
+    (:func:`busy_processes`).
 
     Args:
         own_load: this process's share of the 1-min load average; default
             :func:`process_load_share`.
+        sibling_load: the load this run expects beside its own: the other shards of a
+            ``--shard I/N`` run, one process per core by design (:func:`sibling_load`).
 
     Returns:
         ``loadavg_1m``, ``loadavg_5m``, ``cpu_count``, ``own_threads`` (torch's intra-op
@@ -324,11 +327,32 @@ def machine_load(own_load: float | None = None) -> dict[str, Any]:
         "own_threads": threads,
         "own_load": round(own_load, 2),
         "load_beyond_own": round(beyond, 2),
-        "busy": beyond >= BUSY_SHARE * cores,
+        "sibling_load": round(sibling_load, 2),
+        "busy": beyond - sibling_load >= BUSY_SHARE * cores,
     }
     if record["busy"]:
         record["busy_processes"] = busy_processes()
     return record
+
+
+def sibling_load(shards: int, threads: int, cores: int | None = None) -> float:
+    """The load the other shards of a run split ``shards`` ways add: ``threads`` each, at most
+    the cores this run leaves them (``cores``: this machine's by default). Sharding puts one
+    process per core on purpose, so their load is expected, not other work."""
+    cores = cores or os.cpu_count() or 1
+    return float(max(0, min((shards - 1) * threads, cores - threads)))
+
+
+def _snapshot_busy(snap: dict[str, Any], allowance: float) -> bool:
+    """Whether a ``machine_load`` snapshot was busy, recomputed from its figures with the
+    shard siblings' ``allowance`` (files written before ``sibling_load`` existed counted the
+    other shards as other work); its stored verdict where the figures are missing."""
+    try:
+        beyond, cores = float(snap["load_beyond_own"]), int(snap["cpu_count"])
+    except (KeyError, TypeError, ValueError):
+        return bool(snap.get("busy"))
+    siblings = max(float(snap.get("sibling_load") or 0.0), allowance)
+    return beyond - siblings >= BUSY_SHARE * cores
 
 
 def process_load_share() -> float | None:
@@ -441,23 +465,31 @@ def busy_warning(record: dict[str, Any] | None) -> str | None:
     """
     if not record:
         return None
-    records, todo = [], [record]
-    while todo:  # merged shards keep theirs under "shards", resumed segments under "segments"
-        r = todo.pop(0)
-        records.append(r)
-        todo += [*(r.get("shards") or []), *(r.get("segments") or [])]
-    snaps = [
-        (when, r[when])
-        for r in records
-        for when in ("before", "after")
-        if isinstance(r.get(when), dict)
-    ]
-    busy = [(when, snap) for when, snap in snaps if snap.get("busy")]
+    # Merged shards keep theirs under "shards" (n of them: n - 1 siblings ran beside each),
+    # resumed segments under "segments".
+    records, todo = [], [(record, 1)]
+    while todo:
+        r, shards = todo.pop(0)
+        records.append((r, shards))
+        below = r.get("shards") or []
+        todo += [(s, max(shards, len(below))) for s in below]
+        todo += [(s, shards) for s in r.get("segments") or []]
+    busy = []
+    for r, shards in records:
+        for when in ("before", "after"):
+            snap = r.get(when)
+            if isinstance(snap, dict):
+                threads, cores = int(snap.get("own_threads") or 1), snap.get("cpu_count")
+                allowance = sibling_load(shards, threads, cores)
+                if _snapshot_busy(snap, allowance):
+                    siblings = max(float(snap.get("sibling_load") or 0.0), allowance)
+                    busy.append((when, snap, r, siblings))
     if not busy:
         return None
-    worst = max((snap for _, snap in busy), key=lambda snap: snap.get("load_beyond_own", 0.0))
-    when = " and ".join(w for w in ("before", "after") if any(w == b for b, _ in busy))
-    procs = [p for r in records for p in r.get("busy_processes") or []]
+    _, worst, _, siblings = max(busy, key=lambda b: b[1].get("load_beyond_own", 0.0) - b[3])
+    when = " and ".join(w for w in ("before", "after") if any(w == b[0] for b in busy))
+    busy_records = {id(r): r for _, _, r, _ in busy}.values()
+    procs = [p for r in busy_records for p in r.get("busy_processes") or []]
     seen: set[int] = set()
     names = []
     for p in sorted(procs, key=lambda p: -p["cores"]):
@@ -467,7 +499,9 @@ def busy_warning(record: dict[str, Any] | None) -> str | None:
     return (
         f"warning: the machine was busy {when} the timed runs (1-min load average "
         f"{worst['loadavg_1m']:.2f} on {worst['cpu_count']} cores, {worst['load_beyond_own']:.2f} "
-        f"beyond this run's own {worst['own_load']:.2f}): tok/s and speedups are "
+        f"beyond this run's own {worst['own_load']:.2f}"
+        + (f" and its other shards' {siblings:.2f}" if siblings else "")
+        + "): tok/s and speedups are "
         "unreliable, rerun on an idle machine"
         + (f"; other busy processes: {', '.join(names[:5])}" if names else "")
     )
