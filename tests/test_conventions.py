@@ -320,6 +320,10 @@ def test_the_other_shards_of_a_sharded_run_are_expected_load(monkeypatch):
     assert shard["busy"] is False and shard["sibling_load"] == 1.0
     alone = runinfo.machine_load(own_load=1.0)
     assert alone["busy"] is True
+    # Just after start-up the siblings count as little as this run does (they started with it):
+    # 2.0 - 0.3 own - 0.3 siblings leaves 1.4 of other work.
+    early = runinfo.machine_load(own_load=0.3, sibling_load=1.0)
+    assert early["sibling_load"] == pytest.approx(0.3) and early["busy"] is True
     hog = [{"pid": 4242, "name": "hog", "cores": 0.97, "command": "hog"}]
     monkeypatch.setattr(runinfo, "busy_processes", lambda: hog)
     _fake_load(monkeypatch, 3.0)  # a hog beside the two shards

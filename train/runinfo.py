@@ -301,8 +301,10 @@ def machine_load(own_load: float | None = None, sibling_load: float = 0.0) -> di
     Args:
         own_load: this process's share of the 1-min load average; default
             :func:`process_load_share`.
-        sibling_load: the load this run expects beside its own: the other shards of a
-            ``--shard I/N`` run, one process per core by design (:func:`sibling_load`).
+        sibling_load: the load this run expects beside its own when they have run as long as
+            it: the other shards of a ``--shard I/N`` run, one process per core by design
+            (:func:`sibling_load`). Shards start together, so their share of the 1-min average
+            is counted as grown as far as this run's own (``own_load`` / threads).
 
     Returns:
         ``loadavg_1m``, ``loadavg_5m``, ``cpu_count``, ``own_threads`` (torch's intra-op
@@ -320,6 +322,7 @@ def machine_load(own_load: float | None = None, sibling_load: float = 0.0) -> di
         own_load = process_load_share()
         own_load = float(threads) if own_load is None else own_load
     beyond = max(0.0, load[0] - own_load)
+    siblings = _grown(sibling_load, own_load, threads)
     record: dict[str, Any] = {
         "loadavg_1m": load[0],
         "loadavg_5m": load[1],
@@ -327,8 +330,8 @@ def machine_load(own_load: float | None = None, sibling_load: float = 0.0) -> di
         "own_threads": threads,
         "own_load": round(own_load, 2),
         "load_beyond_own": round(beyond, 2),
-        "sibling_load": round(sibling_load, 2),
-        "busy": beyond - sibling_load >= BUSY_SHARE * cores,
+        "sibling_load": round(siblings, 2),
+        "busy": beyond - siblings >= BUSY_SHARE * cores,
     }
     if record["busy"]:
         record["busy_processes"] = busy_processes()
@@ -341,6 +344,12 @@ def sibling_load(shards: int, threads: int, cores: int | None = None) -> float:
     process per core on purpose, so their load is expected, not other work."""
     cores = cores or os.cpu_count() or 1
     return float(max(0, min((shards - 1) * threads, cores - threads)))
+
+
+def _grown(nominal: float, own_load: float, threads: int) -> float:
+    """``nominal`` sibling load scaled by how far this run's own share of the 1-min load
+    average has grown (siblings started with it: just after start-up both count for little)."""
+    return nominal * min(1.0, max(0.0, own_load) / max(threads, 1))
 
 
 def _snapshot_busy(snap: dict[str, Any], allowance: float) -> bool:
@@ -480,7 +489,8 @@ def busy_warning(record: dict[str, Any] | None) -> str | None:
             snap = r.get(when)
             if isinstance(snap, dict):
                 threads, cores = int(snap.get("own_threads") or 1), snap.get("cpu_count")
-                allowance = sibling_load(shards, threads, cores)
+                own = float(snap.get("own_load") or 0.0)
+                allowance = _grown(sibling_load(shards, threads, cores), own, threads)
                 if _snapshot_busy(snap, allowance):
                     siblings = max(float(snap.get("sibling_load") or 0.0), allowance)
                     busy.append((when, snap, r, siblings))
