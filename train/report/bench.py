@@ -410,7 +410,9 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         rows = []
         for tr in report["training"]:
             measured = ", ".join(
-                f"{m['acceptance_length']:.2f} (k={m['k']}, T={m['temperature']:g})"
+                # The method without its path: chain and tree (or ours and HF's) of one drafter.
+                f"{m['method'].split('[')[0]} {m['acceptance_length']:.2f} "
+                f"(k={m['k']}, T={m['temperature']:g})"
                 for m in tr["measured"]
             )
             rows.append(

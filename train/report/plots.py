@@ -57,8 +57,8 @@ def write_plots(report: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_ylim(-0.02, 1.02)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle("acceptance rate by draft position")
+    _legend_below(fig, axes[0])
     _save(fig, folder / PLOTS[0], written)
 
     # Speedup vs draft tokens per step: chains predicted over k (solid where α was measured,
@@ -105,8 +105,8 @@ def write_plots(report: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_xlabel("draft tokens verified per step (chain: k; tree: nodes)")
         ax.set_ylabel("speedup over plain decoding")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.suptitle("speedup vs k (verify costs: " + Path(report["cost_profile"]["path"]).name + ")")
+    _legend_below(fig, axes[0])
     _save(fig, folder / PLOTS[1], written)
 
     if report["training"]:
@@ -132,28 +132,25 @@ def write_plots(report: dict[str, Any], folder: Path) -> list[Path]:
         ax.set_xlabel("training minutes")
         ax.set_ylabel("τ (tokens per target forward)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
         ax.set_title("τ vs training time")
+        _legend_below(fig, [ax])
         _save(fig, folder / PLOTS[2], written)
 
     # Served by vLLM: tokens/s and speedup over the plain server against requests in flight.
     served = report.get("served") or {}
     if served.get("rows"):
         fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for row in served["rows"]:
+        for i, row in enumerate(served["rows"]):
             conc = [lv["concurrency"] for lv in row["levels"]]
-            left.plot(
-                conc, [lv["tokens_per_second"] for lv in row["levels"]], "o-", label=row["label"]
-            )
+            style = {"color": f"C{i % 10}", "marker": "o", "label": row["label"]}  # same in both
+            left.plot(conc, [lv["tokens_per_second"] for lv in row["levels"]], **style)
             if row["label"] != "plain" and any(lv.get("speedup") for lv in row["levels"]):
-                right.plot(
-                    conc, [lv.get("speedup") or 0 for lv in row["levels"]], "o-", label=row["label"]
-                )
+                right.plot(conc, [lv.get("speedup") or 0 for lv in row["levels"]], **style)
         for ax in (left, right):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("requests in flight")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
+        _legend_below(fig, [left, right])
         left.set_ylabel("tokens/s (all requests)")
         right.set_ylabel("speedup over the plain server")
         right.axhline(1.0, color="grey", lw=0.8)
@@ -201,10 +198,30 @@ def write_quickstart_plots(
     return written
 
 
+def _legend_below(fig, axes) -> None:
+    """One legend for all panels, under them: with nine drafters a legend inside a panel hides
+    the lines it names. Labels shared by panels (the same drafter) are listed once."""
+    entries: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    if entries:
+        ncol = max(1, min(3, int(fig.get_figwidth() // 4)))
+        fig.legend(
+            list(entries.values()),
+            list(entries),
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.0),
+            ncol=ncol,
+            fontsize=7,
+            frameon=False,
+        )
+
+
 def _save(fig, path: Path, written: list[Path]) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # "tight": the legend under the panels
     plt.close(fig)
     written.append(path)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Issue 14: the served stage of the committed bench (after bench_smollm2_heldout200.sh). Merges
+# the two shards again and serves every chain drafter with vLLM (the separate venv of
+# scripts/setup_vllm_venv.sh): plain, ngram, draft LM, Medusa, EAGLE-1 and EAGLE-3 servers, the
+# first 16 held-out prompts, 1, 4 and 16 requests in flight. Run it on an otherwise idle machine.
+set -x
+cd /work/main
+date
+draftsmith bench --merge bench/heldout200/s0.json bench/heldout200/s1.json \
+  --out bench/bench_smollm2_heldout200 \
+  --training-logs runs/eagle3_smollm2 runs/eagle3_smollm2_mix runs/eagle1_smollm2_mix \
+  runs/medusa1_smollm2_mix runs/distill_smollm2_mix \
+  --vllm-python /work/venvs/vllm/bin/python --served-limit 16 --served-concurrency 1 4 16
+date
