@@ -109,3 +109,15 @@ def tiny_model_dir(path, seed: int = 0, layers: int = 4, init_std: float = 0.1):
 def tiny_target_dir(tmp_path_factory):
     """An HF model directory holding a tiny random target with a byte tokenizer."""
     return tiny_model_dir(tmp_path_factory.mktemp("tiny_target"))
+
+
+@pytest.fixture
+def fresh_wandb():
+    """wandb keeps one settings singleton per process, read from WANDB_* when it is first set
+    up: a test that sets WANDB_DIR must start from a torn-down one (another test of the same
+    worker may have set it up with its own dir), and tear it down for the next."""
+    import wandb
+
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()

@@ -428,7 +428,7 @@ def logged(run_dir: Path) -> tuple[list[dict], dict]:
     return history, summary
 
 
-def test_wandb_offline_logs_read_back(offline_hub, tmp_path, monkeypatch):
+def test_wandb_offline_logs_read_back(offline_hub, tmp_path, monkeypatch, fresh_wandb):
     """An EAGLE run and `draftsmith evaluate`, both `--report-to wandb` offline, on the Hub id:
     the training losses/accuracies and τ, α per position and the results table are in the
     run files, with the values the recipes wrote to their JSON."""

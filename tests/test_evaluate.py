@@ -121,7 +121,7 @@ def test_bad_inputs_fail_with_named_file_or_path(tmp_path, tiny_target_dir, caps
     assert "no_such_model" in capsys.readouterr().err
 
 
-def test_wandb_offline_logging(tmp_path, tiny_target_dir, monkeypatch):
+def test_wandb_offline_logging(tmp_path, tiny_target_dir, monkeypatch, fresh_wandb):
     """--report-to wandb works with no network: the run is written offline to WANDB_DIR."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
