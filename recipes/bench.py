@@ -302,11 +302,11 @@ def run(cfg: BenchConfig) -> int:
     info = run_info()  # at the start: the code and versions that actually ran
     # The other shards of a --shard run (one process per core by design) are expected load.
     siblings = 0.0
-    if cfg.shard and "/" in cfg.shard:
+    shards = (cfg.shard or "").partition("/")[2]
+    if shards.isdigit():  # a malformed --shard is named by evaluate's own check
         import torch
 
-        shards = int(cfg.shard.split("/")[1])
-        siblings = sibling_load(shards, cfg.threads or torch.get_num_threads())
+        siblings = sibling_load(int(shards), cfg.threads or torch.get_num_threads())
     load_before = machine_load(sibling_load=siblings)
     stem = _stem(cfg.out)
     profile = cfg.cost_profile or default_cost_profile()
