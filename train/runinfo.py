@@ -352,15 +352,14 @@ def _grown(nominal: float, own_load: float, threads: int) -> float:
     return nominal * min(1.0, max(0.0, own_load) / max(threads, 1))
 
 
-def _snapshot_busy(snap: dict[str, Any], allowance: float) -> bool:
+def _snapshot_busy(snap: dict[str, Any], siblings: float) -> bool:
     """Whether a ``machine_load`` snapshot was busy, recomputed from its figures with the
-    shard siblings' ``allowance`` (files written before ``sibling_load`` existed counted the
-    other shards as other work); its stored verdict where the figures are missing."""
+    shard siblings' load (files written before ``sibling_load`` existed counted the other
+    shards as other work); its stored verdict where the figures are missing."""
     try:
         beyond, cores = float(snap["load_beyond_own"]), int(snap["cpu_count"])
     except (KeyError, TypeError, ValueError):
         return bool(snap.get("busy"))
-    siblings = max(float(snap.get("sibling_load") or 0.0), allowance)
     return beyond - siblings >= BUSY_SHARE * cores
 
 
@@ -491,8 +490,8 @@ def busy_warning(record: dict[str, Any] | None) -> str | None:
                 threads, cores = int(snap.get("own_threads") or 1), snap.get("cpu_count")
                 own = float(snap.get("own_load") or 0.0)
                 allowance = _grown(sibling_load(shards, threads, cores), own, threads)
-                if _snapshot_busy(snap, allowance):
-                    siblings = max(float(snap.get("sibling_load") or 0.0), allowance)
+                siblings = max(float(snap.get("sibling_load") or 0.0), allowance)
+                if _snapshot_busy(snap, siblings):
                     busy.append((when, snap, r, siblings))
     if not busy:
         return None
