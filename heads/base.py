@@ -30,6 +30,7 @@ the loop's keyword arguments and returning a :class:`GenerationOutput`, used in 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -188,7 +189,11 @@ class BuildOptions:
         load_model: ``load_model(path, dtype) -> model``: loads a causal LM from a local HF
             directory or ``.gguf`` file; kinds that load a draft LM need it.
         fast_linears: ``fast_linears(*modules)`` patches a built drafter's linear layers for
-            faster CPU kernels (evaluate injects ``flatten_linear_inputs``); default: nothing.
+            faster CPU kernels (evaluate injects ``flatten_linear_inputs``, which patches only
+            CPU bf16 layers); default: nothing.
+        clock: seconds for timing the drafter's own work; on a GPU it must synchronize the
+            device before reading (evaluate injects ``DeviceTimer(device).now``); default:
+            ``time.perf_counter``.
     """
 
     target: Any
@@ -202,6 +207,7 @@ class BuildOptions:
     hf_assistant: str = "constant"
     load_model: Callable[[str, torch.dtype], Any] | None = None
     fast_linears: Callable[..., object] = _leave_as_is
+    clock: Callable[[], float] = time.perf_counter
 
     @property
     def draft_dtype(self) -> torch.dtype:

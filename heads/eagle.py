@@ -324,7 +324,8 @@ def build_drafter(
     """
     _check_target(cfg, target.config)
     embed, head = _shared_from_target(target, cfg.version)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    # The init is drawn on the CPU (then moved), so a seed gives the same drafter on any device.
+    gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     drafter = EagleDrafter(cfg, embed, head)
     for module in drafter.modules():
         if isinstance(module, nn.Linear):

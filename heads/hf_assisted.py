@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 from transformers import PreTrainedModel
@@ -63,6 +63,7 @@ class HFAssisted:
         schedule: str = "constant",
         lookup_ngram: int | None = None,
         name: str | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if schedule not in ("constant", "transformers"):
             raise ValueError(f"schedule must be 'constant' or 'transformers', got {schedule!r}")
@@ -74,6 +75,8 @@ class HFAssisted:
         # HF's prompt lookup matches suffixes down to 1 token, whatever the longest.
         default = "hf-assisted" if draft is not None else f"hf-prompt-lookup[1-{lookup_ngram}]"
         self.name = name or default
+        # Seconds after the device's queued work (evaluate injects a synchronizing timer).
+        self.clock = clock
 
     @torch.no_grad()
     def generate(
@@ -142,10 +145,10 @@ class HFAssisted:
             fed_lengths.append(fed.shape[1] if fed is not None else 0)
 
         def draft_start(_module, _args):
-            draft_time[1] = time.perf_counter()
+            draft_time[1] = self.clock()
 
         def draft_end(_module, _args, _out):
-            draft_time[0] += time.perf_counter() - draft_time[1]
+            draft_time[0] += self.clock() - draft_time[1]
 
         hooks = [target.register_forward_pre_hook(count_target, with_kwargs=True)]
         if draft is not None:
@@ -164,7 +167,7 @@ class HFAssisted:
             if generator is not None:
                 torch.manual_seed(int(generator.initial_seed()))
         try:
-            start = time.perf_counter()
+            start = self.clock()
             out = target.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -174,7 +177,7 @@ class HFAssisted:
                 pad_token_id=eos[0] if eos else None,
                 **kwargs,
             )
-            wall = time.perf_counter() - start
+            wall = self.clock() - start
         finally:
             for hook in hooks:
                 hook.remove()
@@ -236,12 +239,14 @@ def build_hf_assisted(path: str | None, options: BuildOptions) -> HFAssisted:
     )
     # transformers' own schedule is another algorithm than a constant k: named apart.
     kind = "hf-assisted-default" if options.hf_assistant == "transformers" else "hf-assisted"
-    return HFAssisted(model, schedule=options.hf_assistant, name=f"{kind}[{source}]")
+    return HFAssisted(
+        model, schedule=options.hf_assistant, name=f"{kind}[{source}]", clock=options.clock
+    )
 
 
 def build_hf_prompt_lookup(path: str | None, options: BuildOptions) -> HFAssisted:
     """``hf-prompt-lookup``: transformers' prompt lookup, suffixes of up to ``ngram_max`` tokens."""
-    return HFAssisted(None, lookup_ngram=options.ngram_max)
+    return HFAssisted(None, lookup_ngram=options.ngram_max, clock=options.clock)
 
 
 HF_ASSISTED = DrafterKind(

@@ -19,9 +19,11 @@ resumes after its last finished prompt.
 A thin layer over ``draftsmith evaluate`` (called through the CLI dispatch, as the quickstart
 does): one evaluate run per temperature (greedy, then sampled at 0.7 by default) with every
 ``--drafter`` given, so all drafters share one plain-decoding baseline measured prompt by prompt
-between them. Flags the bench does not know are passed to evaluate as they are (``--target``,
-``--prompts``, ``--split``, ``--limit``, ``--draft-dtype``, ``--max-new-tokens``, ``--seed``,
-``--draft-layers``, ``--tree-total-tokens``, ``--report-to wandb``, ...).
+between them, all on one ``--device`` (checked once, before the first run, and passed to every
+evaluate run; ``OUT.json`` records it). Flags the bench does not know are passed to evaluate as
+they are (``--target``, ``--prompts``, ``--split``, ``--limit``, ``--draft-dtype``,
+``--max-new-tokens``, ``--seed``, ``--draft-layers``, ``--tree-total-tokens``, ``--report-to
+wandb``, ...).
 
 Outputs, for ``--out OUT``:
 
@@ -65,6 +67,7 @@ from draftsmith.train.config import (
     config_from_args,
     config_to_dict,
 )
+from draftsmith.train.device import DEVICE_HELP, device_facts, device_problem, resolve_device
 from draftsmith.train.errors import UsageError, cli_main
 from draftsmith.train.report.bench import (
     RESULT_COLUMNS,
@@ -93,6 +96,7 @@ _OWN_FLAGS = {
     "--k": "--k",
     "--dtype": "--dtype",
     "--threads": "--threads",
+    "--device": "--device",
     "--config": "the bench's own flags (evaluate's YAML cannot be passed through)",
     "--no-baseline": "nothing: the bench needs the plain baseline for every speedup",
 }
@@ -128,6 +132,9 @@ class BenchConfig:
     )
     threads: int | None = cfg_field(
         None, help="torch CPU threads (evaluate's --threads; the cost profile's entry)", ge=1
+    )
+    device: str = cfg_field(
+        "auto", help=DEVICE_HELP + "; every evaluate run of the bench runs there"
     )
     shard: str | None = cfg_field(
         None,
@@ -184,6 +191,9 @@ class BenchConfig:
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
+        problem = device_problem(self.device)
+        if problem:
+            problems.append(("device", problem))
         if not self.temperatures:
             problems.append(("temperatures", "give at least one (0 = greedy)"))
         elif len(set(self.temperatures)) != len(self.temperatures):
@@ -235,6 +245,8 @@ def _raw_path(stem: Path, temperature: float) -> Path:
 
 def _evaluate_argv(cfg: BenchConfig, temperature: float, out: Path) -> list[str]:
     argv = ["evaluate", "--drafter", *cfg.drafter, "--k", str(cfg.k), "--dtype", cfg.dtype]
+    if cfg.device != "auto":  # auto is evaluate's own default: the command lines stay as before
+        argv += ["--device", cfg.device]
     if cfg.threads:
         argv += ["--threads", str(cfg.threads)]
     if cfg.shard:
@@ -299,7 +311,10 @@ def _call(argv: list[str]) -> int:
 
 def run(cfg: BenchConfig) -> int:
     """Run (or merge) the bench and write its outputs; the exit code of the worst run."""
-    info = run_info()  # at the start: the code and versions that actually ran
+    # A GPU that is not there fails now, in one line, before any evaluate run; a merge runs
+    # nothing (each shard's JSON records its own device).
+    device = None if cfg.merge else resolve_device(cfg.device)
+    info = run_info(device)  # at the start: the code, versions and device that ran
     # The other shards of a --shard run (one process per core by design) are expected load.
     siblings = 0.0
     shards = (cfg.shard or "").partition("/")[2]
@@ -318,7 +333,8 @@ def run(cfg: BenchConfig) -> int:
     else:
         import torch
 
-        load_costs(profile, cfg.dtype, cfg.threads or torch.get_num_threads())
+        # A profile measured on another kind of device says nothing about this one: refused now.
+        load_costs(profile, cfg.dtype, cfg.threads or torch.get_num_threads(), device.type)
         runs, merged_from = [], None
         for t in cfg.temperatures:
             raw = _raw_path(stem, t)
@@ -356,6 +372,8 @@ def run(cfg: BenchConfig) -> int:
     report["config"] = config_to_dict(cfg)
     report["machine_load"] = load_record(load_before, machine_load(sibling_load=siblings))
     report.update(info)
+    if device is not None:
+        report["device"] = device_facts(device)
     outputs = write_outputs(report, stem)
     if cfg.vllm_python is not None or cfg.vllm_url:
         # Our figures are on disk first: a serving failure loses none of them.

@@ -290,25 +290,19 @@ def validate(
         p, q, labels = batch_logits(draft, target, batch)
         if not counted:
             continue
-        n = labels.numel()
-        sums += torch.tensor(
-            [
-                float(step_loss(cfg, p, q, labels)) * n,
-                float(expected_acceptance(p, q)) * n,
-                float(greedy_agreement(p, q)) * n,
-                n,
-            ],
-            dtype=torch.float64,
-            device=sums.device,
-        )
+        n = labels.numel()  # from the shape: no host sync; the sums are read once, below
+        figures = [step_loss(cfg, p, q, labels), expected_acceptance(p, q), greedy_agreement(p, q)]
+        sums[:3] += torch.stack([f.to(torch.float64) for f in figures]) * n
+        sums[3] += n
     sums = accelerator.reduce(sums, reduction="sum")
     draft.train(was_training)
-    tokens = max(float(sums[3]), 1.0)
+    loss, acceptance, agreement, count = sums.tolist()
+    tokens = max(count, 1.0)
     return {
-        "loss": float(sums[0]) / tokens,
-        "expected_acceptance": float(sums[1]) / tokens,
-        "greedy_agreement": float(sums[2]) / tokens,
-        "tokens": int(sums[3]),
+        "loss": loss / tokens,
+        "expected_acceptance": acceptance / tokens,
+        "greedy_agreement": agreement / tokens,
+        "tokens": int(count),
     }
 
 
@@ -327,7 +321,6 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.target.load import describe_target, load_target
 
-    info = run_info()
     with TrainRun(
         cfg,
         recipe="distill",
@@ -336,6 +329,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         fsdp=True,
     ) as train_run:
         accelerator, say = train_run.accelerator, train_run.say
+        info = run_info(accelerator.device)  # the device this run's processes train on
 
         # --- target, draft --------------------------------------------------------------------
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
@@ -390,6 +384,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             batch_size=cfg.batch_size,
             shuffle=True,
             collate_fn=partial(collate_hidden_states, pad_token_id=pad_id),
+            pin_memory=train_run.pin_memory,  # GPU: batches copied without waiting for the device
         )
 
         # --- optimizer, prepare, schedule, resume ---------------------------------------------
@@ -453,7 +448,11 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             dynamic_ncols=True,
             disable=not (train_run.is_main and cfg.progress),
         )
-        window = {"loss": 0.0, "acc": 0.0, "tokens": 0, "batches": 0, "t": train_run.started}
+        # The log window's sums stay on the device and are read once per logged step: no
+        # micro-batch waits for the device.
+        sums = torch.zeros(2, device=accelerator.device)  # loss, expected acceptance
+        tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
+        batches, window_start = 0, train_run.started
         draft.train()
         while not train_run.finished(step, total):
             for batch in train_run.position.batches_of_epoch(accelerator, loader):
@@ -469,16 +468,17 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                     ):
                         world, rank = accelerator.num_processes, accelerator.process_index
                         torch.manual_seed(cfg.seed * 1_000_003 + step * world + rank)
+                        # sync: sampling stops at EOS, which the host reads to cut the answers
                         batch = on_policy_batch(model, batch, cfg, pad_id, stop_ids)
                 with accelerator.accumulate(draft):
                     p, q, labels = batch_logits(draft, target, batch)
                     loss = step_loss(cfg, p, q, labels)
                     accelerator.backward(loss)
                 train_run.watch(loss)
-                window["loss"] += float(loss.detach())
-                window["acc"] += float(expected_acceptance(p, q))
-                window["tokens"] += int(batch["attention_mask"].sum())
-                window["batches"] += 1
+                with torch.no_grad():
+                    sums += torch.stack([loss.detach().float(), expected_acceptance(p, q).float()])
+                tokens += batch["attention_mask"].sum()
+                batches += 1
                 if not accelerator.sync_gradients:
                     continue
                 grad_norm = accelerator.clip_grad_norm_(
@@ -489,13 +489,14 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                 step += 1
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == total:
+                    loss_sum, acc_sum = sums.tolist()  # the window's read (waits for it)
                     now = time.monotonic()
                     logs = {
-                        "train/loss": window["loss"] / window["batches"],
-                        "train/expected_acceptance": window["acc"] / window["batches"],
+                        "train/loss": loss_sum / batches,
+                        "train/expected_acceptance": acc_sum / batches,
                         "train/lr": scheduler.get_last_lr()[0],
                         "train/grad_norm": float(grad_norm),
-                        "train/tokens_per_second": window["tokens"] / max(now - window["t"], 1e-9),
+                        "train/tokens_per_second": int(tokens) / max(now - window_start, 1e-9),
                         "train/epoch": train_run.position.epoch,
                     }
                     train_run.log(step, logs)
@@ -503,7 +504,9 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                         loss=f"{logs['train/loss']:.4f}",
                         acc=f"{logs['train/expected_acceptance']:.3f}",
                     )
-                    window = {"loss": 0.0, "acc": 0.0, "tokens": 0, "batches": 0, "t": now}
+                    sums.zero_()
+                    tokens.zero_()
+                    batches, window_start = 0, now
                 if val_samples and train_run.eval_due(step, total):
                     validation(step)
                 if train_run.save_due(step):

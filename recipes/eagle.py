@@ -158,10 +158,10 @@ def train(cfg: EagleTrainConfig) -> int:
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.target.load import load_target
 
-    info = run_info()
     kind = f"eagle{cfg.version}"
     with TrainRun(cfg, recipe="eagle", kind=kind, outputs=["drafter"], fsdp=True) as run:
         accelerator, say = run.accelerator, run.say
+        info = run_info(accelerator.device)  # the device this run's processes train on
 
         # --- target (frozen) ------------------------------------------------------------------
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.target_dtype]
@@ -234,12 +234,17 @@ def train(cfg: EagleTrainConfig) -> int:
         )
         train_set = torch.utils.data.Subset(src.dataset, train_idx)
         loader = torch.utils.data.DataLoader(
-            train_set, batch_size=cfg.batch_size, shuffle=True, collate_fn=src.collate
+            train_set,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            collate_fn=src.collate,
+            pin_memory=run.pin_memory,  # GPU: batches copied without waiting for the device
         )
         val_loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(src.dataset, val_idx),
             batch_size=cfg.batch_size,
             collate_fn=src.collate,
+            pin_memory=run.pin_memory,
         )
 
         # --- drafter --------------------------------------------------------------------------
@@ -306,14 +311,17 @@ def train(cfg: EagleTrainConfig) -> int:
                     f"validation at step {step}: drafter parameter {bad[0]} is not finite"
                 )
             drafter.eval()
-            sums: dict[str, float] = {}
+            sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end
             with torch.no_grad():
                 for batch in val_loader:
                     _, metrics = loss_fn(src.complete(batch, accelerator.device))
                     for key, value in metrics.items():
-                        sums[key] = sums.get(key, 0.0) + float(value)
+                        sums[key] = sums.get(key, 0.0) + value.float()
             drafter.train()
-            val = {f"val/{k}": v / max(len(val_loader), 1) for k, v in sums.items()}
+            totals = torch.stack(list(sums.values())).tolist() if sums else []
+            val = {
+                f"val/{k}": v / max(len(val_loader), 1) for k, v in zip(sums, totals, strict=True)
+            }
             val = mean_over_processes(accelerator, val)
             accs = (
                 [val["val/acc"]]
@@ -336,8 +344,12 @@ def train(cfg: EagleTrainConfig) -> int:
             dynamic_ncols=True,
             disable=not (run.is_main and cfg.progress),
         )
-        running: dict[str, float] = {}
-        running_n, tokens_seen, window_start = 0, 0, run.started
+        # The log window's sums stay on the device (one row per metric of the loss, in its key
+        # order) and are read once per logged step: no micro-batch waits for the device.
+        keys: list[str] = []
+        running = torch.zeros(0, device=accelerator.device)
+        tokens_seen = torch.zeros((), dtype=torch.long, device=accelerator.device)
+        running_n, window_start = 0, run.started
         while not run.finished(step, total):
             for batch in run.position.batches_of_epoch(accelerator, loader):
                 batch = src.complete(batch, accelerator.device)
@@ -345,9 +357,11 @@ def train(cfg: EagleTrainConfig) -> int:
                     loss, metrics = loss_fn(batch)
                     accelerator.backward(loss)
                 run.watch(loss)
-                tokens_seen += int(batch["attention_mask"].sum())
-                for key, value in metrics.items():
-                    running[key] = running.get(key, 0.0) + float(value)
+                tokens_seen += batch["attention_mask"].sum()
+                if not keys:
+                    keys = list(metrics)
+                    running = torch.zeros(len(keys), device=accelerator.device)
+                running += torch.stack([metrics[k].detach().float() for k in keys])
                 running_n += 1
                 if not accelerator.sync_gradients:
                     continue
@@ -357,18 +371,22 @@ def train(cfg: EagleTrainConfig) -> int:
                 step += 1
                 bar.update(1)
                 if step % cfg.log_every == 0 or step == total:
-                    logs = {f"train/{k}": v / running_n for k, v in running.items()}
+                    means = (running / running_n).tolist()  # the window's read (waits for it)
+                    logs = {f"train/{k}": v for k, v in zip(keys, means, strict=True)}
                     logs["train/lr"] = scheduler.get_last_lr()[0]
                     logs["train/grad_norm"] = float(grad_norm)
                     logs = mean_over_processes(accelerator, logs)
                     elapsed = time.monotonic() - window_start
-                    logs["train/tokens_per_s"] = tokens_seen * accelerator.num_processes / elapsed
+                    tokens = int(tokens_seen) * accelerator.num_processes
+                    logs["train/tokens_per_s"] = tokens / elapsed
                     run.log(step, logs)
                     acc = logs.get("train/acc_0", logs.get("train/acc", 0.0))
                     bar.set_postfix(loss=f"{logs['train/loss']:.3f}", acc=f"{acc:.2f}")
                     if not cfg.progress:
                         say(f"step {step}/{total}: loss {logs['train/loss']:.3f}, acc {acc:.3f}")
-                    running, running_n, tokens_seen, window_start = {}, 0, 0, time.monotonic()
+                    running.zero_()
+                    tokens_seen.zero_()
+                    running_n, window_start = 0, time.monotonic()
                 if val_idx and run.eval_due(step, total):
                     val, tau = validate()
                     run.record_validation(step, val, tau, save_to)

@@ -50,6 +50,14 @@ from draftsmith.train.decoding.results import (
     summarize_entries,
 )
 from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.device import (
+    DEVICE_HELP,
+    DeviceTimer,
+    device_problem,
+    is_cpu,
+    make_generator,
+    resolve_device,
+)
 from draftsmith.train.errors import UsageError
 from draftsmith.train.runinfo import (
     busy_warning,
@@ -74,6 +82,7 @@ class EvalConfig:
         "None for SmolLM2-135M-Instruct",
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
+    device: str = cfg_field("auto", help=DEVICE_HELP)
     dtype: str = cfg_field(
         "float32",
         help="weights and activations of the target and every drafter (bfloat16: CPUs with "
@@ -158,13 +167,17 @@ class EvalConfig:
         choices=["constant", "transformers"],
     )
     baseline: bool = cfg_field(True, help="also run plain decoding (needed for the speedup)")
-    threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
+    threads: int | None = cfg_field(
+        None, help="torch CPU threads (default: torch's choice; ignored on a GPU)"
+    )
     out: Path | None = cfg_field(None, help="write the results JSON here")
     report_to: str = cfg_field("none", help="experiment tracker", choices=["none", "wandb"])
     wandb_project: str = cfg_field("draftsmith", help="W&B project")
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
+        if device_problem(self.device):
+            problems.append(("device", device_problem(self.device)))
         if self.k < 1:
             problems.append(("k", f"must be >= 1, got {self.k}"))
         if self.max_new_tokens < 1:
@@ -206,10 +219,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build_options(cfg: EvalConfig, target) -> BuildOptions:
     """What the drafter builders (``heads/registry.py``) need: the run's settings, the drafter's
-    dtype, our model loader and the CPU kernel-path patch."""
+    dtype, our model loader (on the target's device), the CPU kernel-path patch and the device's
+    timer."""
+    device = target.device
 
     def load_model(path: str, dtype: torch.dtype):
-        return load_target(path, cache_dir=cfg.cache_dir, dtype=dtype)[0]
+        return load_target(path, cache_dir=cfg.cache_dir, dtype=dtype, device=device)[0]
 
     return BuildOptions(
         target=target,
@@ -223,6 +238,7 @@ def build_options(cfg: EvalConfig, target) -> BuildOptions:
         hf_assistant=cfg.hf_assistant,
         load_model=load_model,
         fast_linears=flatten_linear_inputs,
+        clock=DeviceTimer(device).now,
     )
 
 
@@ -249,12 +265,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"results of {len(cfg.merge)} files written to {cfg.out}")
         return 0
-    if cfg.threads:
+    try:
+        device = resolve_device(cfg.device)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.threads and is_cpu(device):  # thread settings are for CPU runs only
         torch.set_num_threads(cfg.threads)
     # The other shards of a --shard run (one process per core by design) are expected load.
     siblings = sibling_load(_parse_shard(cfg.shard)[1], torch.get_num_threads()) if cfg.shard else 0
     sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
-    info = run_info()  # taken at the start: the code and versions that actually ran
+    info = run_info(device)  # taken at the start: the code, versions and device that ran
 
     # --- target, drafter, prompts -------------------------------------------------------------
     # Inputs are checked before the (slow) model load, so a typo fails in a second.
@@ -265,13 +286,15 @@ def main(argv: list[str] | None = None) -> int:
             index, count = _parse_shard(cfg.shard)
             records = records[index::count]
         target, tokenizer = load_target(
-            cfg.target, cache_dir=cfg.cache_dir, dtype=DTYPES[cfg.dtype]
+            cfg.target, cache_dir=cfg.cache_dir, dtype=DTYPES[cfg.dtype], device=device
         )
         # Plain decoding in the other dtype: a speedup must not come from a slow baseline.
         other = "bfloat16" if cfg.dtype == "float32" else "float32"
         reference = None
         if cfg.reference_plain and cfg.baseline:
-            reference, _ = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=DTYPES[other])
+            reference, _ = load_target(
+                cfg.target, cache_dir=cfg.cache_dir, dtype=DTYPES[other], device=device
+            )
         options = build_options(cfg, target)
         drafters = [registry.build(spec, options) for spec in cfg.drafter]
         prompts = [render_prompt(tokenizer, r) for r in records]
@@ -298,7 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     # One policy per drafter for the whole run: what it learns carries across prompts.
     costs = None
     if cfg.cost_profile is not None:
-        costs = load_cost_profile(cfg.cost_profile, cfg.dtype, torch.get_num_threads())
+        try:
+            costs = load_cost_profile(
+                cfg.cost_profile, cfg.dtype, torch.get_num_threads(), device.type
+            )
+        except (OSError, ValueError) as exc:
+            print(f"error: cost_profile: {exc}", file=sys.stderr)
+            return 2
     policies = [
         AdaptiveDraftLength(cfg.k, cost_profile=costs)
         if cfg.adaptive_k and d is not None and not runs_own_loop(d)  # e.g. HF: own schedule
@@ -348,20 +377,20 @@ def main(argv: list[str] | None = None) -> int:
                 stopped_early = True
                 break
             # Same seed for every run of a prompt: sampled outputs are comparable run to run.
-            # Interleaved per prompt, so a machine slowing down hurts every method alike.
+            # Interleaved per prompt, so a machine slowing down hurts every method alike. The
+            # generator lives on the device whose tensors it samples (reproducible per device).
             base = None
             if cfg.baseline:
-                gen = torch.Generator().manual_seed(cfg.seed)
-                base = run(None, ids, generator=gen)
+                base = run(None, ids, generator=make_generator(device, cfg.seed))
                 base_runs.append(base)
                 if reference is not None:
-                    gen = torch.Generator().manual_seed(cfg.seed)
+                    gen = make_generator(device, cfg.seed)
                     ref_runs.append(generate(reference, ids, None, **common, generator=gen))
             entries = []
             for i, (drafter, policy) in enumerate(zip(drafters, policies, strict=True)):
                 spec = base
                 if drafter is not None:
-                    gen = torch.Generator().manual_seed(cfg.seed)
+                    gen = make_generator(device, cfg.seed)
                     spec = run(drafter, ids, generator=gen, draft_length=policy)
                 spec_runs[i].append(spec)
                 entry = prompt_entry(record, ids, spec, base, tokenizer)

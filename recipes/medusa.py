@@ -242,7 +242,6 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.target.load import load_target, prepare_target
 
-    info = run_info()  # taken at the start: the code and versions that actually ran
     medusa2 = cfg.stage == "medusa2"
     outputs = [HEADS_SUBDIR, METRICS_FILE, TARGET_SUBDIR]
     # Medusa-1 runs under FSDP (frozen target sharded, heads sharded); Medusa-2 trains the target
@@ -257,6 +256,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         fsdp=fsdp,
     ) as run:
         accelerator, say, out = run.accelerator, run.say, run.out
+        info = run_info(accelerator.device)  # the device this run's processes train on
 
         # --- target (frozen) ------------------------------------------------------------------
         target_path = prepare_target(cfg.target, cache_dir=cfg.cache_dir, quiet=not run.is_main)
@@ -375,6 +375,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
             shuffle=True,
             collate_fn=collate,
             num_workers=cfg.num_workers,
+            pin_memory=run.pin_memory,  # GPU: batches copied without waiting for the device
         )
 
         # --- optimizer, prepare, schedule, resume ---------------------------------------------

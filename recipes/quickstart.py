@@ -29,8 +29,16 @@ prompts are excluded from training and are what the evaluation decodes. Settings
 autocast, an offline hidden-state cache, 3 TTT steps, lr 6e-4; evaluation in bf16 with plain
 decoding in both dtypes timed alongside.
 
+**Device**: ``--device`` (``auto``: the first GPU when there is one, else the CPU) is where every
+stage that runs a model runs: prompts, distil, cache, train, evaluate, export (each gets it as
+its own ``--device``). On a GPU, Magpie and self-distillation decode up to 256 prompts together
+instead of 64, as the GPU's memory allows (``batch_size`` in ``plan.probe``).
+
 **Budget** (``draftsmith.train.jobs.budget``): data sizes follow from ``--budget-minutes`` and
-rates measured on a 2-core CPU; training is sized when it starts, from the time really spent.
+this machine's rates, measured once per job right after the target is prepared (a probe of a
+few seconds on the device; ``plan.probe`` in ``quickstart.json``; a rerun reuses them, so the
+same command makes the same plan; ``--no-probe`` plans with the 2-core-CPU reference rates);
+training is sized when it starts, from the time really spent.
 **Resume** (``draftsmith.train.jobs.stages``): a rerun skips every stage whose output is complete
 and whose settings and inputs are unchanged, and continues a stage cut short; changed settings
 rerun that stage and every later one; ``--overwrite`` starts over. docs/quickstart.md has more.
@@ -47,11 +55,21 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.train.config import cfg_field, config_to_dict, parse_config
+from draftsmith.train.device import (
+    DEVICE_HELP,
+    device_facts,
+    device_problem,
+    is_cpu,
+    resolve_device,
+)
 from draftsmith.train.errors import UsageError, cli_main
+from draftsmith.train.jobs import budget
 from draftsmith.train.jobs.budget import (
     RATES,
     STAGE_NAMES,
     Plan,
+    Probe,
+    Rates,
     make_plan,
     speed_factor,
     train_schedule,
@@ -119,7 +137,9 @@ TRAIN_SETTINGS = {
 DRAFT_VOCAB_SIZE = 8192  # the shipped config's: ~97 % of SmolLM2's answer tokens
 MAGPIE_MAX_NEW_TOKENS = 64  # a user message; longer candidates are cut ("unfinished") early
 MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget, not the count
-BATCH_SIZE = 64  # prompts decoded together by Magpie and self-distillation (~90 tok/s in bf16)
+# Prompts decoded together by Magpie and self-distillation on the CPU (~90 tok/s in bf16) and
+# without a probe; the probe picks a GPU's (budget.generation_batch_size).
+BATCH_SIZE = 64
 SHARD_MB = 64  # small cache shards: a killed cache build loses at most one shard's work
 MAGPIE_LINE = '"source": "magpie"'  # how a prompt the target wrote is marked in PROMPTS
 
@@ -181,11 +201,23 @@ class QuickstartConfig:
         None, help="optimizer steps; None: the epochs that fit the training time", ge=1
     )
     seed: int = cfg_field(0, help="seed of the Magpie prompts and of training")
-    threads: int | None = cfg_field(None, help="torch CPU threads per stage", ge=1)
+    device: str = cfg_field("auto", help=DEVICE_HELP + "; every stage that runs a model runs there")
+    probe: bool = cfg_field(
+        True,
+        help="measure this machine's rates (a few seconds on the device, once per job) and plan "
+        "with them; --no-probe plans with the rates measured on a 2-core CPU",
+    )
+    threads: int | None = cfg_field(
+        None, help="torch CPU threads per stage (when the device is the CPU)", ge=1
+    )
     progress: bool = cfg_field(True, help="show each stage's progress bars")
     overwrite: bool = cfg_field(
         False, help="start over: delete the quickstart outputs in out_dir first"
     )
+
+    def validate(self) -> list[tuple[str, str]]:
+        problem = device_problem(self.device)
+        return [("device", problem)] if problem else []
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +253,10 @@ class Quickstart(StageJob):
         self.target_path: Path | None = None
         self.plan: Plan | None = None
         self.user_seeds = 0
+        # What the plan is sized by; the probe (after the prepare stage) replaces them.
+        self.rates: Rates = RATES
+        self.batch_size = BATCH_SIZE
+        self.probe_s = 0.0
 
     def run(self) -> int:
         from draftsmith.train.runinfo import output_lock
@@ -232,19 +268,23 @@ class Quickstart(StageJob):
                 "(listed in docs/quickstart.md) with accelerate launch"
             )
         seeds_hash, seeds = self._check_inputs()
+        device = resolve_device(cfg.device)  # a GPU that is not there fails now, in one line
         self.out.mkdir(parents=True, exist_ok=True)
         with output_lock(self.out / "quickstart", "quickstart run"):
             if cfg.overwrite:
                 self._remove_outputs(OWNED)
             self._load_state()
             self._record_invocation(config_to_dict(cfg))
-            self.plan = make_plan(cfg, seeds)
-            self.state["plan"] = self.plan.record(cfg.budget_minutes)
-            self._save_state()
-            for text, style in plan_lines(self.plan, cfg, relative_path(self.out)):
+            out = relative_path(self.out)
+            # The header now; the plan needs this machine's rates, measured on the prepared
+            # target, so it comes after the prepare stage.
+            self._say(*plan_lines(make_plan(cfg, seeds), cfg, out)[0])
+            if not self._run_stages([self._prepare]):
+                return 130
+            self._make_plan(seeds, device)
+            for text, style in plan_lines(self.plan, cfg, out)[1:]:
                 self._say(text, style)
             builders = [
-                self._prepare,
                 lambda: self._prompts(seeds_hash),
                 self._distill,
                 self._tokenize,
@@ -253,7 +293,7 @@ class Quickstart(StageJob):
                 self._evaluate,
                 self._export,
             ]
-            if not self._run_stages(builders):
+            if not self._run_stages(builders, start=2):
                 return 130  # interrupted: the stage's output is kept and resumes
             summary = self._summary()
             self.state["summary"] = summary
@@ -278,13 +318,71 @@ class Quickstart(StageJob):
             digest += ":" + (file_hash(path) if path.is_file() else str(path.resolve()))
         return digest, len(shipped) + self.user_seeds
 
+    # --- the plan -----------------------------------------------------------------------------
+
+    def _make_plan(self, seeds: int, device: Any) -> None:
+        """Size the job by this machine's rates: the job's earlier probe when it measured the
+        same target, device and dtype (the same command then makes the same plan), else a new
+        probe (``--no-probe``: the CPU reference rates). A job planned before probes existed
+        keeps its reference rates, so a rerun redoes none of its stages."""
+        cfg = self.cfg
+        key = {"target": str(self.target_path), "device": str(device), "dtype": cfg.dtype}
+        recorded = self.state.get("plan") or {}
+        probe = (
+            Probe.from_record(recorded.get("probe")) if recorded.get("probe_key") == key else None
+        )
+        legacy = "probe" not in recorded or (recorded["probe"] or {}).get("legacy")
+        if cfg.probe and recorded.get("rates") and legacy:
+            self.rates, self.batch_size, self.probe_s = RATES, BATCH_SIZE, 0.0
+            record = {"probed": False, "legacy": True, "rates": "planned before probes existed"}
+            self._say("rates: the 2-core-CPU reference this job was planned with", "dim")
+        elif cfg.probe:
+            if probe is None:
+                if cfg.threads and is_cpu(device):
+                    import torch
+
+                    torch.set_num_threads(cfg.threads)  # as the stages will run
+                self._say(f"measuring this machine's rates on {device} ...", "dim")
+                probe = budget.probe_rates(
+                    self.target_path,
+                    device,
+                    eval_dtype=_torch_dtype(cfg.dtype),
+                    seq_tokens=TRAIN_SETTINGS["max_length"],
+                    ttt_steps=TRAIN_SETTINGS["ttt_steps"],
+                    draft_vocab_size=DRAFT_VOCAB_SIZE,
+                )
+                self._say(_probe_line(probe), "dim")
+            else:
+                self._say(_probe_line(probe) + " (this job's earlier probe, kept)", "dim")
+            self.rates, self.batch_size, self.probe_s = probe.rates, probe.batch_size, probe.seconds
+            record = probe.record()
+        else:
+            self.rates, self.batch_size, self.probe_s = RATES, BATCH_SIZE, 0.0
+            record = {"probed": False, "rates": "the 2-core-CPU reference (--no-probe)"}
+        self.plan = make_plan(cfg, seeds, self.rates, probe_s=self.probe_s)
+        self.state["plan"] = {
+            **self.plan.record(cfg.budget_minutes, self.rates),
+            "probe": record,
+            "probe_key": key,
+        }
+        self.state["device"] = device_facts(device)
+        self._save_state()
+
     # --- stage builders -----------------------------------------------------------------------
 
     def _common(self) -> dict[str, Any]:
         return {"target": self.cfg.target}
 
+    def _device(self) -> dict[str, Any]:
+        # auto is every command's default: left out, the commands print as they always did.
+        return {"device": None if self.cfg.device == "auto" else self.cfg.device}
+
     def _runtime(self) -> dict[str, Any]:
-        return {"threads": self.cfg.threads, "progress": None if self.cfg.progress else False}
+        return {
+            **self._device(),
+            "threads": self.cfg.threads,
+            "progress": None if self.cfg.progress else False,
+        }
 
     def _prepare(self) -> Stage:
         from draftsmith.train.target.load import prepare_target
@@ -309,13 +407,13 @@ class Quickstart(StageJob):
             complete=complete,
             identity={"target": self.cfg.target},
             after=after,
-            estimate_s=self.plan.estimates["prepare"],
+            estimate_s=RATES.prepare_s,  # before the probe: the plan comes after this stage
         )
 
     def _prompts(self, seeds_hash: str) -> Stage:
         plan, cfg = self.plan, self.cfg
         output = self.out / PROMPTS
-        attempts = math.ceil(MAGPIE_ATTEMPTS_PER_PROMPT * plan.magpie) + BATCH_SIZE
+        attempts = math.ceil(MAGPIE_ATTEMPTS_PER_PROMPT * plan.magpie) + self.batch_size
         strict = {
             "seed": cfg.seed,
             "sources": seeds_hash,
@@ -356,7 +454,7 @@ class Quickstart(StageJob):
                 include_shipped=True,
                 input=[cfg.prompts] if cfg.prompts else None,
                 max_new_tokens=MAGPIE_MAX_NEW_TOKENS,
-                batch_size=BATCH_SIZE,
+                batch_size=self.batch_size,
                 max_attempts=attempts,
                 dtype="bfloat16",
                 seed=cfg.seed,
@@ -391,7 +489,7 @@ class Quickstart(StageJob):
                 output=output,
                 limit=plan.records,
                 max_new_tokens=cfg.max_new_tokens,
-                batch_size=BATCH_SIZE,
+                batch_size=self.batch_size,
                 dtype="bfloat16",
                 **self._common(),
                 **self._runtime(),
@@ -406,7 +504,7 @@ class Quickstart(StageJob):
             identity={**strict, "limit": plan.records},
             strict=strict,
             restart=("--overwrite",),
-            estimate_s=RATES.distill_s(answered, cfg.max_new_tokens),
+            estimate_s=self.rates.distill_s(answered, cfg.max_new_tokens),
         )
 
     def _tokenize(self) -> Stage:
@@ -462,7 +560,7 @@ class Quickstart(StageJob):
             output=output,
             complete=lambda: (output / "manifest.json").is_file(),
             identity={**settings, "target": self.cfg.target},
-            estimate_s=RATES.load_s + tokens / RATES.cache_tokens_per_s,
+            estimate_s=self.rates.load_s + tokens / self.rates.cache_tokens_per_s,
         )
 
     def _train(self) -> Stage:
@@ -485,7 +583,7 @@ class Quickstart(StageJob):
         rec = self.state["stages"].setdefault("train", {})
         # Time for training: the budget less what the data stages took (all invocations) and the
         # evaluation/export reserve. A run that continues has used part of it already.
-        left = plan.train_time_left(self._spent_s("train"))
+        left = plan.train_time_left(self._spent_s("train") + self.probe_s)
         # The schedule (epochs) is fixed when the run first starts, so a resume continues the
         # same cosine schedule; a resumed run gets only the time still left as its hard stop.
         schedule = rec.get("schedule") if rec.get("key") == key else None
@@ -497,7 +595,8 @@ class Quickstart(StageJob):
                 tokens=tokens,
                 samples_per_step=TRAIN_SETTINGS["batch_size"] * 2,
                 train_steps=cfg.train_steps,
-                speed=speed_factor(tokens, self.state["stages"].get("cache", {})),
+                speed=speed_factor(tokens, self.state["stages"].get("cache", {}), self.rates),
+                rates=self.rates,
             )
             rec["schedule"] = schedule
         steps = schedule["planned_steps"]
@@ -559,6 +658,7 @@ class Quickstart(StageJob):
                 **settings,
                 out=output,
                 target=cfg.target,
+                **self._device(),
                 threads=cfg.threads,
             ),
         ]
@@ -587,6 +687,7 @@ class Quickstart(StageJob):
                 speculative_tokens=self.cfg.k,
                 metrics_json=self.out / REPORT,
                 overwrite=True,  # the quickstart owns this directory
+                **self._device(),
             ),
         ]
         return Stage(
@@ -644,6 +745,23 @@ class Quickstart(StageJob):
         readme = summary_markdown(self.cfg, summary, stages, result, training, self.command)
         (self.out / SUMMARY_FILE).write_text(readme)
         return summary
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
+
+
+def _probe_line(probe: Probe) -> str:
+    """One line on the rates the plan uses: where they were measured and what they came to."""
+    r = probe.rates
+    return (
+        f"rates measured on {probe.device.get('gpu_name') or probe.device['device']} in "
+        f"{probe.seconds:.1f} s: generation {r.generate_tokens_per_s:.0f} tok/s (batch "
+        f"{probe.batch_size}), cache {r.cache_tokens_per_s:.0f} tok/s, training "
+        f"{r.train_tokens_per_s:.0f} tok/s, evaluation {r.eval_tokens_per_s:.1f} tok/s per stream"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from draftsmith.train.data.prompts import load_prompts, render_prompt
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
 from draftsmith.train.decoding.metrics import summarize
 from draftsmith.train.decoding.speculative import generate
+from draftsmith.train.device import DeviceTimer, is_cpu, resolve_device
 from draftsmith.train.runinfo import run_info, write_json_atomic
 from draftsmith.train.target.load import load_target
 
@@ -73,14 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         help="layers of the pruned draft (default: 0, N/3, 2N/3, N-1)",
     )
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS + EXTRA_METHODS)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (CPU runs only)")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     ap.add_argument("--out", default=None, help="results JSON")
     args = ap.parse_args(argv)
-    if args.threads:
+    device = resolve_device(args.device)
+    if args.threads and is_cpu(device):
         torch.set_num_threads(args.threads)
+    clock = DeviceTimer(device).now  # synchronizes before reading on a GPU
 
-    info = run_info()  # taken at the start: the code and versions that actually ran
-    target, tok = load_target(args.target)
+    info = run_info(device)  # taken at the start: the code, versions and device that ran
+    target, tok = load_target(args.target, device=device)
     n = target.config.num_hidden_layers
     layers = args.draft_layers or [0, n // 3, 2 * n // 3, n - 1]
     draft_model = layer_pruned_copy(target, layers)
@@ -93,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     counter = ForwardCounter(target)
 
     def hf(ids: list[int], **kw):
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=device)
         counter.calls = 0
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.inference_mode():
             out = target.generate(
                 x,
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 pad_token_id=eos,
                 **kw,
             )
-        wall = time.perf_counter() - t0
+        wall = clock() - t0
         return out[0, len(ids) :].tolist(), wall, counter.calls
 
     assisted = HFAssisted(draft_model)  # a constant k drafts per step, like our chain

@@ -14,6 +14,10 @@ feeds ``draftsmith evaluate --adaptive-k --cost-profile FILE`` and the bench's r
 Run::
 
     python scripts/bench_forward.py --out bench/forward_cost.json
+    python scripts/bench_forward.py --device cuda --out bench/forward_cost_gpu.json
+
+On a GPU the thread counts do not apply (one profile entry, under the torch thread count) and
+every forward is timed with a device synchronize before each clock read.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -54,21 +57,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", type=int, nargs="+", default=CHAIN_WIDTHS)
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=TREE_SIZES)
     parser.add_argument("--target", default=None)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--out", default="bench/forward_cost.json")
     args = parser.parse_args(argv)
 
     from transformers import DynamicCache
 
     from draftsmith.train.decoding.speculative import _tree_inputs
+    from draftsmith.train.device import DeviceTimer, is_cpu, make_generator, resolve_device
     from draftsmith.train.runinfo import run_info, write_json_atomic
     from draftsmith.train.target.load import load_target
 
-    info = run_info()
+    device = resolve_device(args.device)
+    info = run_info(device)
+    clock = DeviceTimer(device).now
     load_before = os.getloadavg()
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    models = {name: load_target(args.target, dtype=dtypes[name])[0] for name in args.dtypes}
-    gen = torch.Generator().manual_seed(0)
-    context = torch.randint(100, 30000, (1, args.context), generator=gen)
+    models = {
+        name: load_target(args.target, dtype=dtypes[name], device=device)[0] for name in args.dtypes
+    }
+    gen = make_generator(device, 0)
+    context = torch.randint(100, 30000, (1, args.context), generator=gen, device=device)
     caches = {}
     with torch.inference_mode():
         for name, model in models.items():
@@ -77,21 +86,23 @@ def main(argv: list[str] | None = None) -> int:
 
     def timed(name: str, width: int, parents: list[int] | None) -> float:
         model, cache = models[name], caches[name]
-        ids = torch.randint(100, 30000, (1, width), generator=gen)
+        ids = torch.randint(100, 30000, (1, width), generator=gen, device=device)
         kwargs = {}
         if parents is not None:
-            mask, pos, _ = _tree_inputs(torch.tensor(parents[: width - 1]), args.context, "cpu")
+            mask, pos, _ = _tree_inputs(parents[: width - 1], args.context, device)
             kwargs = {"attention_mask": mask, "position_ids": pos}
-        t = time.perf_counter()
+        t = clock()  # synchronized: the forward's kernels are inside the interval
         model(input_ids=ids, cache=cache, use_cache=True, **kwargs)
-        elapsed = time.perf_counter() - t
+        elapsed = clock() - t
         cache.crop(-width)
         return elapsed * 1e3
 
     profile: dict = {}
     with torch.inference_mode():
-        for threads in args.threads:
-            torch.set_num_threads(threads)
+        # Thread counts are a CPU setting; a GPU profile has one entry.
+        for threads in args.threads if is_cpu(device) else [torch.get_num_threads()]:
+            if is_cpu(device):
+                torch.set_num_threads(threads)
             shapes = [("chain", w, None) for w in args.widths]
             shapes += [("tree", n, tree_parents(n)) for n in args.tree_sizes]
             for kind, width, parents in shapes:

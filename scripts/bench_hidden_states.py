@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.train.device import DeviceTimer, resolve_device
 from draftsmith.train.features.cache_format import DTYPES
 from draftsmith.train.features.cache_shards import compute_shard, make_plan, write_shard
 from draftsmith.train.features.source import default_layers, scan_token_data
@@ -44,15 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    info = run_info()
+    device = resolve_device(args.device)
+    clock = DeviceTimer(device).now  # synchronizes before reading on a GPU
+    info = run_info(device)
 
-    model, tok = load_target(args.target)
+    model, tok = load_target(args.target, device=device)
     layers = args.layers or default_layers("eagle3", model.config.num_hidden_layers)
     text = "".join(p.read_text() for p in sorted(REPO.glob("**/*.py")))
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device="cpu").manual_seed(0)  # sample lengths, drawn on the host
     samples, pos = [], 0
     for _ in range(args.samples):
         n = int(torch.randint(280, 321, (1,), generator=g))
@@ -67,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     def plain(batch: list[int]) -> None:
         n = [len(samples[i]["input_ids"]) for i in batch]
         width = max(n)
-        x = torch.zeros(len(batch), width, dtype=torch.long)
-        m = torch.zeros(len(batch), width, dtype=torch.long)
+        x = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+        m = torch.zeros(len(batch), width, dtype=torch.long, device=device)
         for j, i in enumerate(batch):
             x[j, : n[j]] = torch.tensor(samples[i]["input_ids"])
             m[j, : n[j]] = 1
@@ -85,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     parts = []
     for k, batch in enumerate(batches):
         for which in (0, 1) if k % 2 == 0 else (1, 0):
-            t0 = time.perf_counter()
+            t0 = clock()
             if which == 0:
                 plain(batch)
-                t_plain += time.perf_counter() - t0
+                t_plain += clock() - t0
             else:
                 parts.append(compute_shard(model, samples, [batch], layers, store, None, _NoBar()))
-                t_cache += time.perf_counter() - t0
+                t_cache += clock() - t0
     tensors = {k: torch.cat([p[k] for p in parts]) for k in ("hidden", "input_ids", "loss_mask")}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()

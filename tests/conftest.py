@@ -45,10 +45,9 @@ def tiny_llama(
 
 
 def _reset_accelerate_state() -> None:
-    from accelerate.state import AcceleratorState, GradientState
+    from draftsmith.train.core.accelerate_compat import reset_accelerate_state
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 @pytest.fixture(autouse=True)
@@ -121,3 +120,20 @@ def fresh_wandb():
     wandb.teardown()
     yield wandb
     wandb.teardown()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device for the device-parametrized tests (tests/test_on_device.py): cpu, cuda, "
+        "cuda:N; scripts/gpu_check.sh runs them on a GPU",
+    )
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device the device-parametrized tests run on (``--device``; default cpu)."""
+    from draftsmith.train.device import resolve_device
+
+    return resolve_device(request.config.getoption("--device"))

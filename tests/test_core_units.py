@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from draftsmith.train.config import ConfigError, cfg_field, load_config
+from draftsmith.train.core.accelerate_compat import reset_accelerate_state
 from draftsmith.train.core.checkpoint import (
     TrainerState,
     finished_checkpoints,
@@ -150,10 +151,7 @@ def test_data_position_sees_every_sample_once_per_epoch(n, batch_size, grad_accu
     run(DataPosition(), 3 * per_epoch, straight)
     resumed: list[int] = []
     paused = run(DataPosition(), pause, resumed)
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     run(DataPosition(paused.epoch, paused.batches), 3 * per_epoch - pause, resumed)
     for seen in (straight, resumed):
         epochs = [seen[i * n : (i + 1) * n] for i in range(3)]
@@ -168,23 +166,27 @@ def _model_run(tmp_path, value: float):
     torch.nn.init.constant_(model.weight, value)
     opt = torch.optim.AdamW(model.parameters())
     model, opt = acc.prepare(model, opt)
-    return acc, model
+    return acc, model, opt
+
+
+def _save(acc, model, opt, path, state, keep):
+    return save_checkpoint(acc, path, state, keep, models=[model], optimizers=[opt])
 
 
 def test_checkpoints_rotate_fall_back_and_refuse_other_runs(tmp_path):
-    acc, model = _model_run(tmp_path, 1.0)
+    acc, model, opt = _model_run(tmp_path, 1.0)
     state = TrainerState("eagle", "eagle3", train_log=[{"step": 1, "train/loss": float("nan")}])
     for step in (1, 2, 3):
         state.step = step
         with torch.no_grad():
             model.weight.fill_(float(step))
-        save_checkpoint(acc, tmp_path, state, keep=2)
+        _save(acc, model, opt, tmp_path, state, keep=2)
     assert [s for s, _ in finished_checkpoints(tmp_path)] == [2, 3]
     text = (tmp_path / "checkpoints" / "step_3" / "trainer_state.json").read_text()
     assert json.loads(text)["train_log"][0]["train/loss"] is None  # strict JSON, no NaN
     # Another run's checkpoint in the same dir is never rotated away by this run.
     other = TrainerState("eagle", "eagle3", step=9)
-    save_checkpoint(acc, tmp_path, other, keep=1)
+    _save(acc, model, opt, tmp_path, other, keep=1)
     assert [s for s, _ in finished_checkpoints(tmp_path)] == [2, 3, 9]
 
     # Newest truncated: a warning, then the previous good checkpoint is loaded.
@@ -215,9 +217,9 @@ def test_checkpoints_rotate_fall_back_and_refuse_other_runs(tmp_path):
 def test_a_nan_model_is_never_checkpointed(tmp_path):
     from draftsmith.train.core.stop import NonFiniteError
 
-    acc, _ = _model_run(tmp_path, float("nan"))
+    acc, model, opt = _model_run(tmp_path, float("nan"))
     with pytest.raises(NonFiniteError, match="not finite"):
-        save_checkpoint(acc, tmp_path, TrainerState("eagle", "eagle3", step=1), keep=1)
+        _save(acc, model, opt, tmp_path, TrainerState("eagle", "eagle3", step=1), keep=1)
     assert finished_checkpoints(tmp_path) == []
 
 

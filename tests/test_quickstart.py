@@ -18,7 +18,7 @@ import torch
 
 from draftsmith.recipes.cli import main as cli
 from draftsmith.recipes.quickstart import STATE_FILE, QuickstartConfig
-from draftsmith.train.jobs.budget import make_plan
+from draftsmith.train.jobs.budget import RATES, make_plan
 from draftsmith.train.report.quickstart import vllm_serve_command
 from tests.conftest import byte_tokenizer, tiny_llama
 
@@ -38,6 +38,8 @@ SMALL = [
     "float32",
     "--threads",
     "1",
+    "--device",  # passed to every stage that runs a model
+    "cpu",
     "--no-progress",
 ]
 
@@ -112,6 +114,17 @@ def test_main_job_runs_every_stage(job):
         s["seconds"] >= 0 and s["command"].startswith("draftsmith ") for s in st["stages"].values()
     )
     assert st["versions"]["torch"] and st["machine"]["cpu_count"] >= 1 and st["command"]
+    # One device for the job: every stage that runs a model was given it, and the plan was sized
+    # by rates the probe measured there on the target (the tiny one: far faster than SmolLM2).
+    for name in ("prompts", "distill", "cache", "train", "evaluate", "export"):
+        assert " --device cpu" in st["stages"][name]["command"], name
+    assert st["device"]["device"] == "cpu"
+    probe = st["plan"]["probe"]
+    assert probe["probed"] is True and probe["device"]["device"] == "cpu"
+    assert probe["dtype"] == "float32" and probe["batch_size"] == 64
+    assert st["plan"]["rates"] == probe["rates"]
+    assert probe["rates"]["cache_tokens_per_s"] > 10 * RATES.cache_tokens_per_s
+    assert "rates measured on cpu" in job.printed
 
     # Prompts: the shipped train split, the user's file, then prompts the target wrote.
     prompts = [json.loads(x) for x in (out / "data/prompts.jsonl").read_text().splitlines()]
@@ -182,10 +195,13 @@ def _heldout():
 
 
 def test_rerun_skips_finished_stages(job):
+    before = state(job.out)["plan"]
     code, printed = run_job(job.argv)
     assert code == 0
     assert printed.count("done before, skipped") == len(STAGES)
     st = state(job.out)
+    # The job's probe is kept: the same command makes the same plan.
+    assert st["plan"] == before and "earlier probe, kept" in printed
     assert all(s["runs"] == 1 for s in st["stages"].values())
     assert len(st["invocations"]) >= 2
     assert "vllm serve" in printed  # the summary again

@@ -41,8 +41,15 @@ class OutputExistsError(UsageError, FileExistsError):
 _PACKAGES = ("draftsmith", "torch", "transformers", "accelerate", "datasets", "peft")
 
 
-def run_info() -> dict[str, Any]:
-    """Command line, versions, git commit and machine facts for a results file."""
+def run_info(device: Any = None) -> dict[str, Any]:
+    """Command line, versions, git commit and machine facts for a results file.
+
+    Args:
+        device: the device the run actually uses (a ``torch.device`` or its name): recorded
+            with its facts (GPU name, CUDA version, ...; :func:`draftsmith.train.device.
+            device_facts`). None: the run did not say, and no device is recorded -- a GPU being
+            present does not mean the run used it.
+    """
     versions = {}
     for name in _PACKAGES:
         try:
@@ -65,6 +72,8 @@ def run_info() -> dict[str, Any]:
         commit = None
     import torch
 
+    from draftsmith.train.device import device_facts
+
     return {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "versions": versions,
@@ -74,7 +83,8 @@ def run_info() -> dict[str, Any]:
             "processor": platform.machine(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "cuda_available": torch.cuda.is_available(),
+            **(device_facts(device) if device is not None else {}),
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

@@ -14,4 +14,6 @@ objective and loop, top to bottom; what is the same in all three lives here, onc
 * :mod:`.data` -- the train/validation split, the data position (epoch, batches consumed), EOS
   ids, and the "too little data" check.
 * :mod:`.dist` -- process-group timeout, workers that die with their launcher, teardown.
+* :mod:`.accelerate_compat` -- the few accelerate internals used (no public API for them),
+  each checked by ``tests/test_accelerate_compat.py``.
 """

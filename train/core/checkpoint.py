@@ -23,9 +23,12 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from draftsmith.train import safety
 from draftsmith.train.core.dist import any_rank
@@ -94,17 +97,22 @@ def finished_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def checkpoint_bytes(accelerator: Any) -> int:
+def checkpoint_bytes(
+    models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> int:
     """Estimated size of a checkpoint: the prepared models' state dicts + optimizer states.
 
     AdamW keeps two tensors per trainable parameter; RNG states and the JSON are small.
-    ``_models``/``_optimizers`` are the objects ``accelerator.prepare`` returned, i.e. exactly
-    what ``save_state`` writes.
+
+    Args:
+        models: the models ``accelerator.prepare`` returned (what ``save_state`` writes;
+            :attr:`~draftsmith.train.core.run.TrainRun.models`).
+        optimizers: the optimizers it returned.
     """
     total = 1 << 20
-    for model in accelerator._models:
+    for model in models:
         total += sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for opt in accelerator._optimizers:
+    for opt in optimizers:
         for group in opt.param_groups:
             total += sum(2 * p.numel() * p.element_size() for p in group["params"])
     return total
@@ -117,12 +125,28 @@ def _fail(exc: BaseException, path: Path, need: int) -> BaseException:
     return exc
 
 
-def save_checkpoint(accelerator: Any, output_dir: Path, state: TrainerState, keep: int) -> Path:
+def save_checkpoint(
+    accelerator: Any,
+    output_dir: Path,
+    state: TrainerState,
+    keep: int,
+    *,
+    models: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+) -> Path:
     """Write ``checkpoints/step_{state.step}`` (temp dir + rename), then rotate old ones.
 
     Free space is checked first against :func:`checkpoint_bytes`; a save that fails anyway
     removes its temp dir and keeps every earlier checkpoint. Rotation keeps the newest ``keep``
     checkpoints and only deletes this run's (``run_id``) older ones. All processes call this.
+
+    Args:
+        accelerator: the run's accelerator (``save_state`` writes everything it prepared).
+        output_dir: the run's output directory.
+        state: what ``trainer_state.json`` records; ``state.step`` names the checkpoint.
+        keep: newest checkpoints kept.
+        models: the prepared models (checked for NaN/inf, sized for the free-space check).
+        optimizers: the prepared optimizers (sized for the free-space check).
 
     Raises:
         NonFiniteError: a parameter holds NaN/inf (a NaN checkpoint is never written).
@@ -130,8 +154,8 @@ def save_checkpoint(accelerator: Any, output_dir: Path, state: TrainerState, kee
     """
     root = Path(output_dir) / CHECKPOINTS
     final, tmp = root / f"step_{state.step}", root / f".step_{state.step}.tmp"
-    need = checkpoint_bytes(accelerator)
-    bad = [n for m in accelerator._models for n in non_finite_parameters(m)]
+    need = checkpoint_bytes(models, optimizers)
+    bad = [n for m in models for n in non_finite_parameters(m)]
     if bad:
         raise NonFiniteError(
             f"step {state.step}: parameter {bad[0]} is not finite; no checkpoint written"

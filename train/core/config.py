@@ -12,6 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.train.config import cfg_field
+from draftsmith.train.device import DEVICE_HELP, device_problem
+
+# Why fp16 autocast is refused: its loss scaling skips every step whose scaled gradients
+# overflow, which the run's non-finite check would report as a fault and stop on.
+FP16_REFUSED = (
+    "fp16 needs a GradScaler whose skipped steps the non-finite check would stop on; use bf16 "
+    "(autocast on CUDA and on the CPU, no loss scaling)"
+)
 
 
 @dataclass
@@ -37,7 +45,8 @@ class TrainConfig:
     max_grad_norm: float = cfg_field(1.0, help="gradient clipping norm (0 = off)", ge=0)
     mixed_precision: str = cfg_field(
         "no",
-        help="no, bf16 or fp16 (accelerate; where the device supports it)",
+        help="no, or bf16: autocast of the trained model's forward and backward, fp32 master "
+        "weights (accelerate; on CUDA and on the CPU). fp16 is refused (loss scaling)",
         choices=["no", "bf16", "fp16"],
     )
     seed: int = cfg_field(0, help="random seed (split, data order, initialisation)")
@@ -86,7 +95,13 @@ class TrainConfig:
     )
     output_dir: Path = cfg_field(Path("runs/run"), help="checkpoints, the drafter, metrics")
     # --- processes, logging ---
-    threads: int | None = cfg_field(None, help="torch CPU threads per process", ge=1)
+    # Under accelerate, auto lets the launcher decide (a GPU per process when there are GPUs),
+    # cpu forces CPU processes, and cuda/cuda:N must be what the launcher gave the process
+    # (TrainRun refuses anything else); recipes then use accelerator.device throughout.
+    device: str = cfg_field("auto", help=DEVICE_HELP)
+    threads: int | None = cfg_field(
+        None, help="torch CPU threads per process (CPU runs; ignored on a GPU)", ge=1
+    )
     pg_timeout_minutes: float = cfg_field(
         10.0,
         help="multi-process: a collective waiting longer than this (a stuck or stopped rank) "
@@ -113,4 +128,9 @@ class TrainConfig:
         problems = []
         if self.resume and self.overwrite:
             problems.append(("overwrite", "give resume or overwrite, not both (--no-resume)"))
+        device = device_problem(self.device)
+        if device:
+            problems.append(("device", device))
+        if self.mixed_precision == "fp16":
+            problems.append(("mixed_precision", FP16_REFUSED))
         return problems

@@ -147,7 +147,7 @@ def split_indices(n: int, val_samples: int, seed: int) -> tuple[list[int], list[
     the same samples and never trains on them. At least one sample is left to train on.
     """
     n_val = min(val_samples, max(0, n - 1))
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    order = torch.randperm(n, generator=torch.Generator(device="cpu").manual_seed(seed)).tolist()
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 

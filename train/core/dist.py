@@ -8,10 +8,12 @@ Why each piece exists (each failure was seen on 2 CPU processes):
 * workers die with their launcher: killing ``accelerate launch`` left its workers running;
   ``PR_SET_PDEATHSIG`` sends each worker SIGTERM when its parent dies, which the run treats like
   Ctrl-C (finish the step, save, exit);
-* teardown: a barrier, then ``destroy_process_group()``, then the process ends without running
-  interpreter finalisation: at finalisation a DDP ``Reducer`` destroyed ``ProcessGroupGloo``,
-  whose thread join held the GIL while a gloo thread waited for it (a deadlock that hung the
-  test suite intermittently);
+* teardown: a barrier, then ``destroy_process_group()``; under gloo (CPU processes) the process
+  then ends without running interpreter finalisation: at finalisation a DDP ``Reducer``
+  destroyed ``ProcessGroupGloo``, whose thread join held the GIL while a gloo thread waited for
+  it (a deadlock that hung the test suite intermittently). NCCL and other backends end the
+  standard way; what needs an exit hook (W&B, logging, output buffers) is finished first either
+  way (:func:`exit_process`);
 * FSDP on CPU processes: accelerate switches to FSDP only on GPU-like devices, so an FSDP
   config on CPUs (gloo) silently trained with DDP; :func:`setup_fsdp` switches it, and
   :func:`shard_frozen_target` shards the frozen target over the same processes.
@@ -19,11 +21,14 @@ Why each piece exists (each failure was seen on 2 CPU processes):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,32 +37,35 @@ if TYPE_CHECKING:
     from accelerate import PartialState
 
 
-def process_state(**kwargs: Any) -> PartialState:
+def process_state(cpu: bool = False, **kwargs: Any) -> PartialState:
     """This process's accelerate state; CPU processes (gloo) when there is no accelerator.
 
     ``PartialState()`` alone never forms a multi-process group on a CPU-only machine (it needs
     ``cpu=True``), so 2 CPU processes started by ``accelerate launch``/``torchrun`` would each
-    believe they are alone. ``ACCELERATE_USE_CPU=1`` forces CPU processes on a GPU machine.
+    believe they are alone. ``ACCELERATE_USE_CPU=1`` (or ``cpu``) forces CPU processes on a GPU
+    machine.
 
     Args:
+        cpu: force CPU processes (a run's ``device: cpu``).
         **kwargs: passed on to ``PartialState`` (e.g. ``timeout``).
     """
     from accelerate import PartialState
 
-    forced = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    forced = cpu or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     accel = getattr(torch, "accelerator", None)
     has_accelerator = accel.is_available() if accel is not None else torch.cuda.is_available()
     return PartialState(cpu=forced or not has_accelerator, **kwargs)
 
 
-def start_processes(timeout_minutes: float) -> PartialState:
+def start_processes(timeout_minutes: float, cpu: bool = False) -> PartialState:
     """This process's accelerate ``PartialState``, the process group created with a timeout.
 
-    CPU processes (gloo) are used when the machine has no accelerator (see
+    CPU processes (gloo) are used when the machine has no accelerator or ``cpu`` is set (see
     :func:`process_state`). Must run before the ``Accelerator`` is built (the state is
     process-wide).
     """
-    state = process_state(timeout=datetime.timedelta(minutes=timeout_minutes))
+    state = process_state(cpu=cpu, timeout=datetime.timedelta(minutes=timeout_minutes))
+    _note_backend()
     if state.num_processes > 1:
         _die_with_parent()
     return state
@@ -80,18 +88,33 @@ def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def any_rank(flags: list[bool], device: Any) -> list[bool]:
+def any_rank(flags: Sequence[bool | torch.Tensor], device: Any) -> list[bool]:
     """Element-wise OR of ``flags`` over all processes (one all-reduce), so ranks agree.
+
+    A flag is a Python bool or a tensor (true when any element is nonzero), e.g. a non-finite
+    flag kept on the device. The votes are combined on ``device`` and read once: that read is
+    the only host sync (on a GPU, the one wait for the queued work), with one process or many.
 
     Args:
         flags: this rank's votes (e.g. ``[stop requested, time is up, non-finite]``).
         device: where collectives run (the accelerator's device).
     """
-    if not distributed():
-        return list(flags)
-    t = torch.tensor([float(f) for f in flags], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    multi = distributed()
+    if not multi and not any(torch.is_tensor(f) for f in flags):
+        return [bool(f) for f in flags]
+    votes = torch.stack([_vote(f, device) for f in flags])
+    if multi:
+        torch.distributed.all_reduce(votes, op=torch.distributed.ReduceOp.MAX)
+    return [bool(v) for v in votes.tolist()]
+
+
+def _vote(flag: bool | torch.Tensor, device: Any) -> torch.Tensor:
+    """One vote as a 0-dim float tensor on ``device``, made without a host sync."""
+    if not torch.is_tensor(flag):
+        return torch.full((), float(bool(flag)), device=device)  # a fill: no host-to-device copy
+    if hasattr(flag, "full_tensor"):  # a DTensor (an FSDP2 gradient norm): its global value
+        flag = flag.full_tensor()
+    return flag.detach().ne(0).any().to(device=device, dtype=torch.float32)
 
 
 # --- FSDP: the frozen target and the drafter sharded over the run's processes -------------------
@@ -133,9 +156,9 @@ def setup_fsdp(accelerator: Any) -> list[str] | None:
         UsageError: FSDP version 1 (the target is sharded with FSDP2's ``fully_shard``; the two
             do not mix in one process group).
     """
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+    from draftsmith.train.core.accelerate_compat import set_distributed_type
     from draftsmith.train.errors import UsageError
 
     state = accelerator.state
@@ -144,8 +167,7 @@ def setup_fsdp(accelerator: Any) -> list[str] | None:
         if accelerator.mixed_precision != "no":
             plugin.set_mixed_precision(accelerator.mixed_precision)
         state.fsdp_plugin = plugin
-        state.distributed_type = DistributedType.FSDP
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        set_distributed_type(state, DistributedType.FSDP)
     if state.distributed_type != DistributedType.FSDP:
         return None
     plugin = state.fsdp_plugin
@@ -262,33 +284,85 @@ def teardown(accelerator: Any, ok: bool) -> None:
 
     After a failure the other ranks may be anywhere (in a collective, or gone); a barrier would
     wait for them until the timeout, so the group is destroyed right away.
+
+    Args:
+        accelerator: the run's accelerator (None before it exists: then there is no barrier).
+        ok: the run succeeded.
     """
-    if ok and distributed():
+    _note_backend()
+    if ok and accelerator is not None and distributed():
         accelerator.wait_for_everyone()
     if distributed():
         torch.distributed.destroy_process_group()
 
 
-# Objects of a finished multi-process run kept alive until os._exit: freeing a DDP model frees
-# its Reducer, which destroys the gloo process group and joins its threads while holding the GIL,
+# --- ending the process: gloo's finalisation deadlock ------------------------------------------
+
+# Objects of a finished gloo run kept alive until os._exit: freeing a DDP model frees its
+# Reducer, which destroys the gloo process group and joins its threads while holding the GIL,
 # deadlocking with a gloo thread that needs the GIL to free a finished all-reduce's tensors.
 _KEEP_ALIVE: list[Any] = []
+# Whether this process was one of several in a gloo process group (noted while the group
+# exists: exit_process runs after it is destroyed).
+_GLOO_RUN = False
+
+
+def group_backend() -> str | None:
+    """The backend of this process's process group (``gloo``, ``nccl``, ...); None without one."""
+    return torch.distributed.get_backend() if distributed() else None
+
+
+def _note_backend() -> None:
+    global _GLOO_RUN
+    if not _GLOO_RUN and group_backend() == "gloo":
+        _GLOO_RUN = torch.distributed.get_world_size() > 1  # a group of one has no peer thread
+
+
+def gloo_workaround() -> bool:
+    """Whether this process must end without interpreter finalisation (a multi-process gloo
+    run: see the module docstring)."""
+    _note_backend()
+    return _GLOO_RUN
 
 
 def keep_alive(obj: Any) -> None:
-    """Never free ``obj`` (a finished run's DDP-wrapped models) before the process exits."""
-    _KEEP_ALIVE.append(obj)
+    """Under gloo, never free ``obj`` (a finished run's DDP-wrapped models) before the exit.
+
+    Other backends (NCCL, ...) free it the standard way: nothing is kept.
+    """
+    if gloo_workaround():
+        _KEEP_ALIVE.append(obj)
 
 
 def exit_process(code: int) -> int:
-    """Return ``code``, or end a multi-process worker at once with it (see the module docstring).
+    """Return ``code``; a worker of a multi-process gloo run instead ends here at once, with it.
 
     Called by each recipe's ``main`` last: everything the run writes is complete and the process
-    group destroyed by then; output is flushed. Single-process runs (and tests calling ``main``
-    in-process) just get ``code`` back.
+    group destroyed by then. Single-process runs (a gloo group of one included), runs on other
+    backends (NCCL: the standard teardown) and tests calling ``main`` in-process just get
+    ``code`` back. Before ``os._exit`` (which runs no exit hooks) what needs one is finished
+    here: a W&B run still open (marked failed when ``code`` is not 0), logging's handlers,
+    stdout and stderr.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if not gloo_workaround():
         return code
-    sys.stdout.flush()
-    sys.stderr.flush()
+    finish_before_exit(code)
     os._exit(code)
+
+
+def finish_before_exit(code: int, trackers: bool = True) -> None:
+    """Do what the interpreter's exit hooks would, before an ``os._exit(code)``.
+
+    Args:
+        code: the exit code (a W&B run still open is finished with it: not 0 = failed).
+        trackers: finish a W&B run still open (False where the exit must not wait for an
+            upload: the second Ctrl-C); then logging's handlers, stdout and stderr.
+    """
+    wandb = sys.modules.get("wandb")  # only if the run imported it
+    if trackers and wandb is not None and getattr(wandb, "run", None) is not None:
+        with contextlib.suppress(Exception):  # a tracker problem must not keep the process alive
+            wandb.finish(exit_code=code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()

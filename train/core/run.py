@@ -14,16 +14,22 @@ holds what the loop shares with every other recipe::
                 with accelerator.accumulate(model):
                     loss = ...
                     accelerator.backward(loss)
-                run.watch(loss)
+                run.watch(loss)                   # a device flag: no host sync
+                window += loss.detach()           # metrics stay on the device too
                 if not accelerator.sync_gradients:
                     continue
                 grad_norm = accelerator.clip_grad_norm_(params, max_norm)
                 if run.step_ok(step + 1, grad_norm):   # all ranks agree; NaN: raise or skip
                     optimizer.step(); scheduler.step()
                 optimizer.zero_grad()
-                ...
+                ...                               # read window once per log_every steps
                 if run.finished(step, total): break
         run.save_checkpoint(step)                 # and the recipe's final outputs
+
+On a GPU nothing in a micro-batch waits for the device: the loss's finiteness is a flag on the
+device, metrics are summed there, and :meth:`TrainRun.step_ok` folds the flag and the gradient
+norm's finiteness into the all-reduce it makes anyway, whose one read is the host sync of the
+optimizer step.
 
 Leaving the ``with`` block tears the processes down (barrier, ``destroy_process_group``),
 restores the signal handlers and releases the output lock, also after an error.
@@ -64,7 +70,8 @@ from draftsmith.train.core.dist import (
     start_processes,
     teardown,
 )
-from draftsmith.train.core.stop import NonFiniteError, StopSignals, is_finite
+from draftsmith.train.core.stop import NonFiniteError, StopSignals
+from draftsmith.train.device import is_cpu, resolve_device
 from draftsmith.train.errors import RunError, UsageError
 from draftsmith.train.runinfo import finite_json
 
@@ -85,10 +92,15 @@ class TrainRun:
             frozen target with :meth:`place_target` (sharded) and saves trained models through
             :meth:`full_model` (gathered). Other recipes refuse such a launch.
 
+    The run's device is accelerate's (``accelerator.device``): ``cfg.device`` ``auto`` lets
+    the launcher decide, ``cpu`` forces CPU processes, ``cuda``/``cuda:N`` is checked against
+    what the launcher gave. ``cfg.threads`` applies to CPU runs only.
+
     Raises:
         UsageError: an input the config names (``cfg.input_paths()``) does not exist; the
             message names the field, the path and the command that makes it. An FSDP launch
-            of a recipe without ``fsdp``, or with FSDP version 1.
+            of a recipe without ``fsdp``, or with FSDP version 1. A ``device`` this machine
+            does not have, or other than the one the launcher gave the process.
     """
 
     def __init__(
@@ -117,22 +129,38 @@ class TrainRun:
         self.recipe, self.kind = recipe, kind
         self.out = Path(cfg.output_dir)
         self.outputs = [*outputs, ckpt.CHECKPOINTS, BEST]
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        if cfg.device not in ("auto", "cpu"):
+            resolve_device(cfg.device)  # a GPU this machine lacks: one line, before any group
         # The process group first, with the configured timeout (the Accelerator reuses it).
-        state = start_processes(cfg.pg_timeout_minutes)
+        state = start_processes(cfg.pg_timeout_minutes, cpu=cfg.device == "cpu")
+        problem = device_mismatch(cfg.device, state.device)
+        if any_rank([problem is not None], state.device)[0]:  # every rank raises; none waits
+            teardown(None, ok=False)
+            raise UsageError(problem or f"device: {cfg.device} does not match another process's")
+        on_cpu = is_cpu(state.device)
+        if cfg.threads and on_cpu:
+            torch.set_num_threads(cfg.threads)
+        # On a GPU, batches are copied from pinned memory without waiting for the device
+        # (recipes build their loaders with pin_memory=run.pin_memory).
+        self.pin_memory = state.device.type == "cuda"
         self.accelerator = Accelerator(
-            cpu=state.device.type == "cpu",
+            cpu=on_cpu,
             gradient_accumulation_steps=cfg.grad_accum,
             mixed_precision=cfg.mixed_precision,
             log_with="wandb" if cfg.report_to == "wandb" else None,
             project_config=ProjectConfiguration(project_dir=str(self.out)),
             # Seeded sampler: a resumed run sees the same order of batches as an unbroken one.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+            dataloader_config=DataLoaderConfiguration(
+                use_seedable_sampler=True, non_blocking=self.pin_memory
+            ),
             kwargs_handlers=[
                 DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
             ],
         )
+        if cfg.threads and not on_cpu:
+            self.accelerator.print(
+                f"note: threads is for CPU runs; this one runs on {state.device}"
+            )
         # An FSDP config: accelerate shards the prepared drafter, place_target the frozen target.
         try:
             self._target_layers = setup_fsdp(self.accelerator)
@@ -158,7 +186,7 @@ class TrainRun:
         self.stop_reason: str | None = None
         self.signals = StopSignals()
         self._lock: safety.OutputLock | None = None
-        self._bad_loss = False
+        self._nonfinite: torch.Tensor | None = None  # on the device: no sync per micro-batch
         self._invocation_start = 0
         self._saved: tuple[int, int] | None = None  # (step, validations) of the last save
         self._prepared: list[Any] = []
@@ -179,10 +207,11 @@ class TrainRun:
         self.signals.restore()
         ok = exc is None
         if self.multi:
-            keep_alive(self._prepared)  # DDP wrappers must outlive the process (see dist.py)
+            keep_alive(self._prepared)  # gloo: DDP wrappers must outlive the process (dist.py)
         try:
-            if ok:
-                self.accelerator.end_training()
+            # Trackers before the processes end, on success and failure alike: a gloo worker
+            # ends with os._exit, which runs no exit hook that would finish a W&B run.
+            self._finish_trackers(ok)
             teardown(self.accelerator, ok)
         finally:
             if self._lock is not None:
@@ -192,6 +221,21 @@ class TrainRun:
                 f"another process of this run stopped answering or died ({exc}); a collective "
                 f"waits at most pg_timeout_minutes ({self.cfg.pg_timeout_minutes:g})"
             ) from exc
+
+    def _finish_trackers(self, ok: bool) -> None:
+        """Finish the experiment trackers (what ``end_training`` does, without its teardown).
+
+        A failed run's W&B run is marked failed (exit code 1), not finished; a tracker that
+        cannot finish is reported, and the teardown goes on.
+        """
+        for tracker in self.accelerator.trackers:
+            try:
+                if not ok and tracker.name == "wandb":
+                    tracker.tracker.finish(exit_code=1)
+                else:
+                    tracker.finish()
+            except Exception as error:
+                self.say(f"warning: the {tracker.name} tracker did not finish: {error}")
 
     def _claim_output(self) -> None:
         """Lock ``output_dir``; refuse to start over a run in it unless ``overwrite``."""
@@ -257,6 +301,22 @@ class TrainRun:
         prepared = self.accelerator.prepare(*objects)
         self._prepared.append(prepared)
         return prepared
+
+    def _prepared_objects(self) -> list[Any]:
+        flat: list[Any] = []
+        for prepared in self._prepared:
+            flat.extend(prepared if isinstance(prepared, tuple) else (prepared,))
+        return flat
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The models :meth:`prepare` returned (what a checkpoint's ``save_state`` writes)."""
+        return [o for o in self._prepared_objects() if isinstance(o, torch.nn.Module)]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers :meth:`prepare` returned (accelerate's wrappers)."""
+        return [o for o in self._prepared_objects() if isinstance(o, torch.optim.Optimizer)]
 
     @contextlib.contextmanager
     def full_model(
@@ -346,7 +406,12 @@ class TrainRun:
         self.state.epoch, self.state.batches = self.position.epoch, self.position.batches
         self.state.extra["train_seconds"] = self.train_seconds()
         path = ckpt.save_checkpoint(
-            self.accelerator, self.out, self.state, self.cfg.keep_checkpoints
+            self.accelerator,
+            self.out,
+            self.state,
+            self.cfg.keep_checkpoints,
+            models=self.models,
+            optimizers=self.optimizers,
         )
         self._saved = (step, len(self.state.validation))
         return path
@@ -365,30 +430,39 @@ class TrainRun:
     # --- the per-step verdict ---------------------------------------------------------------
 
     def watch(self, loss: torch.Tensor) -> None:
-        """Note a micro-batch's loss; a non-finite one fails this optimizer step's check."""
-        self._bad_loss = self._bad_loss or not is_finite(loss)
+        """Note a micro-batch's loss; a non-finite one fails this optimizer step's check.
+
+        The verdict stays on the loss's device (no host sync per micro-batch); :meth:`step_ok`
+        reads it with the step's other votes.
+        """
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
 
     def step_ok(self, next_step: int, grad_norm: torch.Tensor | float | None) -> bool:
         """Agree over all processes whether optimizer step ``next_step`` may be applied.
 
         One all-reduce carries every process's votes: a stop signal, the time budget (rank 0's
-        clock decides, so all ranks stop at the same step) and a non-finite loss or gradient
-        norm. With ``on_nonfinite: stop`` a non-finite step raises; with ``skip`` it returns
-        False (the caller zeroes the gradients and goes on) and is counted.
+        clock decides, so all ranks stop at the same step) and a non-finite loss (the flag of
+        :meth:`watch`) or gradient norm, both still on the device; reading its result is the
+        step's one host sync (also with one process). With ``on_nonfinite: stop`` a non-finite
+        step raises; with ``skip`` it returns False (the caller zeroes the gradients and goes
+        on) and is counted.
 
         Raises:
             NonFiniteError: non-finite loss/gradient and ``on_nonfinite: stop``.
         """
-        bad_local = self._bad_loss or not is_finite(grad_norm)
-        self._bad_loss = False
+        bad_loss = self._nonfinite if self._nonfinite is not None else False
+        self._nonfinite = None
         time_up = (
             self.is_main
             and self.cfg.max_minutes is not None
             and (time.monotonic() - self.started > 60 * self.cfg.max_minutes)
         )
-        signal_, time_up, bad = any_rank(
-            [self.signals.requested is not None, time_up, bad_local], self.accelerator.device
+        signal_, time_up, bad_loss, bad_norm = any_rank(
+            [self.signals.requested is not None, time_up, bad_loss, _nonfinite(grad_norm)],
+            self.accelerator.device,
         )
+        bad = bad_loss or bad_norm
         if signal_:
             self.stop_reason = "interrupted"
         elif time_up and self.stop_reason is None:
@@ -511,7 +585,7 @@ class TrainRun:
         from draftsmith.train.runinfo import replace_dir
 
         path, tmp = self.out / name, self.out / f".{name}.tmp"
-        need = need or ckpt.checkpoint_bytes(self.accelerator) // 2
+        need = need or ckpt.checkpoint_bytes(self.models, self.optimizers) // 2
 
         def prepare() -> None:
             safety.ensure_free_space(self.out, need)
@@ -575,6 +649,48 @@ def mean_over_processes(accelerator: Any, logs: dict[str, float]) -> dict[str, f
     return dict(zip(keys, values.tolist(), strict=True))
 
 
+def device_mismatch(want: str, got: torch.device) -> str | None:
+    """Why the process's device ``got`` (accelerate's choice) is not the ``device`` asked for.
+
+    Args:
+        want: the config's ``device``: ``auto`` accepts anything, ``cpu`` only the CPU,
+            ``cuda`` any GPU, ``cuda:N`` that GPU.
+        got: the device accelerate gave this process.
+
+    Returns:
+        One line naming ``device``, or None when they agree.
+    """
+    if want == "auto" or (want == "cpu" and got.type == "cpu"):
+        return None
+    if want.startswith("cuda") and got.type == "cuda":
+        index = want.partition(":")[2]
+        got_index = got.index if got.index is not None else torch.cuda.current_device()
+        if not index or int(index) == got_index:
+            return None
+        return (
+            f"device: {want} asked for, but the launcher gave this process cuda:{got_index} "
+            "(one GPU per process, by local rank); use --device cuda to take the GPU each "
+            "process is given, or choose the GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    why = (
+        "this process's accelerate state was set up for another device earlier"
+        if want == "cpu"
+        else "ACCELERATE_USE_CPU or the launch config's use_cpu forces CPU processes"
+    )
+    return f"device: {want} asked for, but accelerate runs this process on {got} ({why})"
+
+
+def _nonfinite(value: torch.Tensor | float | None) -> torch.Tensor | bool:
+    """Whether a gradient norm is NaN/inf: a device tensor for a tensor (no host sync)."""
+    if value is None:
+        return False
+    if torch.is_tensor(value):
+        if hasattr(value, "full_tensor"):  # an FSDP2 norm (DTensor): its global value
+            value = value.full_tensor()
+        return ~torch.isfinite(value.detach()).all()
+    return not math.isfinite(float(value))
+
+
 def _collective_failed(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective that timed out or lost its peer (gloo/NCCL)."""
     text = str(exc).lower()
@@ -584,7 +700,7 @@ def _collective_failed(exc: BaseException) -> bool:
     )
 
 
-__all__ = ["NonFiniteError", "TrainRun", "mean_over_processes"]
+__all__ = ["NonFiniteError", "TrainRun", "device_mismatch", "mean_over_processes"]
 
 
 def _params_to_meta(model: torch.nn.Module) -> None:

@@ -8,7 +8,6 @@ intact, and the temp dir of an interrupted save is never taken for a checkpoint.
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -49,8 +48,12 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.requested is not None:
             # The user insists: leave now. A save in progress is a temp dir, never a checkpoint.
+            # os._exit runs no exit hook: logs and output are flushed first; an open W&B run is
+            # left to its files (wandb sync), as finishing it could wait for an upload.
+            from draftsmith.train.core.dist import finish_before_exit
+
             print(f"\n{name} again: exiting now; finished checkpoints are kept", file=sys.stderr)
-            sys.stderr.flush()
+            finish_before_exit(130, trackers=False)
             os._exit(130)
         self.requested = name
         print(
@@ -64,15 +67,6 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-
-
-def is_finite(value: torch.Tensor | float | None) -> bool:
-    """Whether a loss or norm (tensor or number) is finite; None (not measured) counts as finite."""
-    if value is None:
-        return True
-    if torch.is_tensor(value):
-        return bool(torch.isfinite(value.detach()).all())
-    return math.isfinite(float(value))
 
 
 def non_finite_parameters(module: torch.nn.Module) -> list[str]:

@@ -30,7 +30,6 @@ from draftsmith.train.data.prompts import DEFAULT_PROMPTS
 from draftsmith.train.data.records import SHAPES, Conversation, load_records, select_split
 from draftsmith.train.datagen.endpoint import EndpointClient, ServerInfo
 from draftsmith.train.datagen.endpoint_distill import TEMPLATE_MODES
-from draftsmith.train.datagen.generation import device_problems, resolve_device
 from draftsmith.train.datagen.resumable import meta_file
 from draftsmith.train.datagen.self_distill import (
     DistillStats,
@@ -38,6 +37,7 @@ from draftsmith.train.datagen.self_distill import (
     resolve_split,
     self_distill,
 )
+from draftsmith.train.device import DEVICE_HELP, device_problem, is_cpu, resolve_device
 from draftsmith.train.errors import cli_main
 from draftsmith.train.runinfo import output_lock
 
@@ -71,7 +71,7 @@ class SelfDistillConfig:
     dtype: str = cfg_field(
         "float32", help="weights dtype", choices=["float32", "bfloat16", "float16"]
     )
-    device: str = cfg_field("auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
+    device: str = cfg_field("auto", help=DEVICE_HELP + "; with --endpoint the server decides")
     turns: str = cfg_field(
         "all",
         help="all = regenerate every assistant turn on the regenerated history; last = only "
@@ -88,13 +88,16 @@ class SelfDistillConfig:
     seed: int = cfg_field(0, help="seed of the per-record sampling generators")
     sort_by_length: bool = cfg_field(True, help="batch prompts of similar length together")
     overwrite: bool = cfg_field(False, help="start again even when the output exists")
-    threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
+    threads: int | None = cfg_field(
+        None, help="torch CPU threads when the device is the CPU (default: torch's choice)"
+    )
     progress: bool = cfg_field(True, help="show a progress bar")
     endpoint: str | None = cfg_field(
         None,
         help="answer through this OpenAI-compatible server (vLLM, SGLang, TGI), e.g. "
-        "http://127.0.0.1:8000, instead of loading the target here (--dtype, --device, "
-        "--batch-size, --threads then do not apply; --target gives the tokenizer)",
+        "http://127.0.0.1:8000, instead of loading the target here (--dtype, --batch-size, "
+        "--threads then do not apply and --device must stay auto; --target gives the "
+        "tokenizer)",
     )
     model: str | None = cfg_field(
         None, help="the served model name (--endpoint); default: the one model the server lists"
@@ -124,7 +127,12 @@ class SelfDistillConfig:
             problems.append(("limit", f"must be >= 1, got {self.limit}"))
         if self.shape == "text":
             problems.append(("shape", "text records have no turns to answer"))
-        problems += device_problems(self.device)
+        problem = device_problem(self.device)
+        if problem:
+            problems.append(("device", problem))
+        elif self.endpoint is not None and self.device != "auto":
+            # No model runs here: a device asked for would silently not be used.
+            problems.append(("device", "the server decides where --endpoint runs; leave auto"))
         if self.endpoint is None:
             if self.model is not None:
                 problems.append(("model", "only with --endpoint (the served model name)"))
@@ -155,6 +163,8 @@ def _main_distill(argv: list[str]) -> int:
         prog="draftsmith data distill",
         description="Regenerate the assistant turns of a data set with the target itself.",
     )
+    # A GPU that is not there fails now, in one line; the endpoint path runs no model here.
+    device = resolve_device(cfg.device) if cfg.endpoint is None else None
     source = cfg.input or DEFAULT_PROMPTS
 
     # Inputs are checked before the (slow) model load, so a typo fails in a second.
@@ -201,13 +211,10 @@ def _main_distill(argv: list[str]) -> int:
             stats = _distill_endpoint(cfg, client, server, conversations, meta)
             _print_summary(cfg, stats, endpoint=True)
             return 0
-        if cfg.threads:
+        if cfg.threads and is_cpu(device):
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_target(
-            cfg.target,
-            cache_dir=cfg.cache_dir,
-            dtype=getattr(torch, cfg.dtype),
-            device=resolve_device(cfg.device),
+            cfg.target, cache_dir=cfg.cache_dir, dtype=getattr(torch, cfg.dtype), device=device
         )
         stats = self_distill(
             model,

@@ -20,10 +20,8 @@ from draftsmith.heads.sampling import SamplingParams, eos_set, logits_to_probs
 
 __all__ = [
     "GeneratedSequence",
-    "device_problems",
     "generate_batch",
     "keyed_generator",
-    "resolve_device",
 ]
 
 
@@ -179,25 +177,3 @@ def generate_batch(
         next_pos = next_pos + 1
         logits = out.logits[:, -1]
     return results
-
-
-def device_problems(device: str) -> list[tuple[str, str]]:
-    """A device string torch cannot parse, or CUDA asked for on a machine without it."""
-    if device == "auto":
-        return []
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        return [("device", f"{device!r} is not a device (use auto, cpu, cuda or cuda:N)")]
-    if kind == "cuda" and not torch.cuda.is_available():
-        return [("device", f"{device!r}: CUDA is not available on this machine")]
-    if kind not in ("cpu", "cuda", "mps", "xpu"):
-        return [("device", f"{device!r}: unsupported device type {kind!r}")]
-    return []
-
-
-def resolve_device(device: str) -> str:
-    """``device`` as given, or for ``"auto"`` CUDA when available and the CPU otherwise."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device

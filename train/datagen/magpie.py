@@ -61,6 +61,7 @@ from draftsmith.train.datagen.resumable import (
 )
 from draftsmith.train.datagen.resumable import check_meta as check_resumable_meta
 from draftsmith.train.datagen.user_turn import UserPrefix, user_turn_prefix
+from draftsmith.train.device import device_facts
 from draftsmith.train.errors import UsageError
 from draftsmith.train.runinfo import output_lock
 from draftsmith.train.safety import ensure_free_space
@@ -279,6 +280,8 @@ def make_prompts(
         overwrite: Start again even when ``output`` exists.
         progress: Show a progress bar (prompts kept, candidates, ETA) on stderr.
         meta: Extra settings stored in ``<output>.meta`` (strict keys among them are checked).
+            The meta also records the device the model ran on
+            (:func:`~draftsmith.train.device.device_facts`).
         on_batch: Called with the number of batches done by this call, after each batch is on
             disk (tests use it to simulate a kill).
         lock: Hold ``<output>.lock`` while writing; pass False when the caller holds it.
@@ -315,6 +318,9 @@ def make_prompts(
         "num": num,
         "batch_size": batch_size,
         "max_attempts": max_attempts,
+        # Where the candidates were sampled; not checked on resume (a device draws its own
+        # sampling streams, so a resume elsewhere writes valid prompts, not the same ones).
+        "device": device_facts(next(model.parameters()).device),
         **(meta or {}),
     }
     stats = PromptStats(requested=num)

@@ -23,7 +23,6 @@ from draftsmith.heads.sampling import SamplingParams
 from draftsmith.train.config import cfg_field, parse_config
 from draftsmith.train.data.prompts import DEFAULT_PROMPTS
 from draftsmith.train.data.records import SHAPES
-from draftsmith.train.datagen.generation import device_problems, resolve_device
 from draftsmith.train.datagen.magpie import (
     DEFAULT_SAMPLING,
     check_meta,
@@ -33,6 +32,7 @@ from draftsmith.train.datagen.magpie import (
 from draftsmith.train.datagen.prompt_filters import FilterRules
 from draftsmith.train.datagen.prompt_sources import SeedPrompt, load_exclusions, load_seed_prompts
 from draftsmith.train.datagen.resumable import meta_file
+from draftsmith.train.device import DEVICE_HELP, device_problem, is_cpu, resolve_device
 from draftsmith.train.errors import RunError, UsageError, cli_main
 from draftsmith.train.runinfo import output_lock
 
@@ -71,7 +71,7 @@ class PromptsConfig:
     dtype: str = cfg_field(
         "float32", help="weights dtype", choices=["float32", "bfloat16", "float16"]
     )
-    device: str = cfg_field("auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
+    device: str = cfg_field("auto", help=DEVICE_HELP)
     max_new_tokens: int = cfg_field(96, help="token budget of one prompt", ge=1)
     batch_size: int = cfg_field(32, help="candidates decoded together", ge=1)
     temperature: float = cfg_field(
@@ -86,7 +86,9 @@ class PromptsConfig:
         None, help="stop after this many candidates; none = 20 x num + batch size", ge=1
     )
     overwrite: bool = cfg_field(False, help="start again even when the output exists")
-    threads: int | None = cfg_field(None, help="torch CPU threads; none = torch's choice")
+    threads: int | None = cfg_field(
+        None, help="torch CPU threads when the device is the CPU; none = torch's choice"
+    )
     progress: bool = cfg_field(True, help="show a progress bar")
 
     def validate(self) -> list[tuple[str, str]]:
@@ -97,7 +99,9 @@ class PromptsConfig:
             )
         if self.shape == "text":
             problems.append(("shape", "text records have no user message"))
-        problems += device_problems(self.device)
+        problem = device_problem(self.device)
+        if problem:
+            problems.append(("device", problem))
         return problems
 
 
@@ -124,6 +128,7 @@ def _main_prompts(argv: list[str]) -> int:
         description="Make training prompts: the target writes user messages (Magpie), plus the "
         "shipped prompts and your files, deduplicated.",
     )
+    device = resolve_device(cfg.device)  # a GPU that is not there fails now, in one line
     # Sources are read before the (slow) model load, so a typo fails in a second.
     seeds: list[SeedPrompt] = []
     if cfg.include_shipped:
@@ -154,13 +159,10 @@ def _main_prompts(argv: list[str]) -> int:
                 cfg.seed, cfg.system, cfg.max_new_tokens, sampling, rules, seeds, exclude
             )
             check_meta(meta_path, early)
-        if cfg.threads:
+        if cfg.threads and is_cpu(device):
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_target(
-            cfg.target,
-            cache_dir=cfg.cache_dir,
-            dtype=getattr(torch, cfg.dtype),
-            device=resolve_device(cfg.device),
+            cfg.target, cache_dir=cfg.cache_dir, dtype=getattr(torch, cfg.dtype), device=device
         )
         stats = make_prompts(
             model,

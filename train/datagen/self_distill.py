@@ -62,6 +62,7 @@ from draftsmith.train.datagen.resumable import (
     write_synced,
 )
 from draftsmith.train.datagen.resumable import check_meta as check_resumable_meta
+from draftsmith.train.device import device_facts
 from draftsmith.train.errors import UsageError
 from draftsmith.train.runinfo import output_lock
 from draftsmith.train.safety import ensure_free_space
@@ -319,7 +320,8 @@ def self_distill(
         overwrite: Start again even when ``output`` exists.
         progress: Show a progress bar (records, tokens/s, ETA) on stderr.
         meta: Extra settings stored in ``<output>.meta`` and checked on resume (the CLI passes
-            the input path and split).
+            the input path and split). The meta also records the device the model ran on
+            (:func:`~draftsmith.train.device.device_facts`).
         on_batch: Called with the number of batches written so far by this call, after each
             batch is on disk (tests use it to simulate a kill).
         lock: Hold ``<output>.lock`` while writing; pass False when the caller holds it.
@@ -353,6 +355,9 @@ def self_distill(
         "template": template_fingerprint(tokenizer),
         "batch_size": batch_size,
         "sort_by_length": sort_by_length,
+        # Where the answers were computed (not checked on resume, like batch_size: the answers
+        # of another device are valid, only byte-identity with one uninterrupted run is lost).
+        "device": device_facts(next(model.parameters()).device),
         **(meta or {}),
     }
     stats = DistillStats(selected=len(conversations))

@@ -146,21 +146,34 @@ class AdaptiveDraftLength:
                 self.hits[j] += 1.0
 
 
-def load_cost_profile(path: str | Path, dtype: str, threads: int) -> dict[int, float]:
+def load_cost_profile(
+    path: str | Path, dtype: str, threads: int, device_type: str = "cpu"
+) -> dict[int, float]:
     """Seconds per chain-verify forward by width, from ``scripts/bench_forward.py``'s JSON.
 
     Args:
         path: the benchmark's JSON file.
         dtype: ``float32`` or ``bfloat16``.
-        threads: torch threads the evaluation runs with (the nearest measured count is used).
+        threads: torch threads the evaluation runs with (the nearest measured count is used;
+            a GPU profile has one entry).
+        device_type: where the evaluation runs (``cpu``, ``cuda``): a profile measured on
+            another kind of device says nothing about this one and is refused.
 
     Returns:
         ``{width: seconds}``.
 
     Raises:
-        ValueError: naming the file when it holds no profile for ``dtype``.
+        ValueError: naming the file when it holds no profile for ``dtype`` or was measured on
+            another kind of device.
     """
     data = json.loads(Path(path).read_text())
+    # Profiles written before the device setting were all measured on the CPU.
+    measured = str(data.get("machine", {}).get("device_type") or "cpu")
+    if measured != device_type:
+        raise ValueError(
+            f"{path}: cost profile measured on {measured}, this run is on {device_type}; "
+            f"measure one with scripts/bench_forward.py --device {device_type}"
+        )
     per_threads = data.get("profile", {}).get(dtype)
     if not per_threads:
         raise ValueError(

@@ -22,7 +22,6 @@ that matches the target's greedy choices is accepted and the KV cache keeps only
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection
 
 import torch
@@ -31,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from draftsmith.heads.base import Drafter, Features, GenerationOutput, Proposal
 from draftsmith.heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
+from draftsmith.train.device import DeviceTimer
 
 
 def _as_prompt(prompt_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
@@ -78,66 +78,72 @@ def _accept_chain(
     proposal: Proposal,
     sampling: SamplingParams,
     generator: torch.Generator | None,
-) -> tuple[int, int]:
+) -> torch.Tensor:
     """Decide how many chain tokens to accept and which token the target emits after them.
+
+    Everything stays on the logits' device: the caller reads the decision once per step (one
+    host sync), together with the draft tokens.
 
     Args:
         logits: ``[n + 1, V]`` target logits at the last accepted token and at each draft token.
-        proposal: the n draft tokens (and q).
+        proposal: the n draft tokens (and q), on the logits' device.
         sampling: sampling parameters.
-        generator: randomness.
+        generator: randomness, on the logits' device.
 
     Returns:
-        ``(num_accepted, next_token)``.
+        ``[2]`` long tensor ``(num_accepted, next_token)``.
     """
     draft = proposal.tokens
     n = draft.shape[0]
     if sampling.greedy:
         choice = logits.argmax(dim=-1)  # [n + 1]
-        if n == 0:
-            return 0, int(choice[0])
         # Leading run of matches: cumprod turns the first mismatch and all after it into 0.
-        accepted = int((choice[:n] == draft).to(torch.int32).cumprod(0).sum())
-        return accepted, int(choice[accepted])
+        accepted = (choice[:n] == draft).to(torch.long).cumprod(0).sum()
+        return torch.stack([accepted, choice[accepted]])
 
     p = logits_to_probs(logits, sampling)  # [n + 1, V]
     q = proposal.probs
-    if n:
-        u = torch.rand(n, generator=generator, device=p.device)
-        rows = torch.arange(n, device=p.device)
-        p_x = p[rows, draft]
-        q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
-        # Accept when u < p(x)/q(x), written as u * q(x) < p(x) to avoid dividing.
-        ok = (u * q_x < p_x).to(torch.int32).cumprod(0)
-        accepted = int(ok.sum())
-        if accepted < n:
-            i = accepted
-            if q is not None:
-                residual = (p[i] - q[i]).clamp_min(0.0)
-            else:
-                residual = p[i].clone()
-                residual[draft[i]] = 0.0
-            if float(residual.sum()) <= 0.0:
-                # Only possible when p == q up to rounding, where rejection has probability 0.
-                residual = p[i]
-            return accepted, int(sample(residual, generator))
+    if not n:
+        return torch.stack(
+            [torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], generator)]
+        )
+    u = torch.rand(n, generator=generator, device=p.device)
+    rows = torch.arange(n, device=p.device)
+    p_x = p[rows, draft]
+    q_x = q[rows, draft] if q is not None else torch.ones_like(p_x)
+    # Accept when u < p(x)/q(x), written as u * q(x) < p(x) to avoid dividing.
+    accepted = (u * q_x < p_x).to(torch.long).cumprod(0).sum()
+    # Exactly one draw either way, from the residual at the first rejection or from p after n
+    # accepts (the bonus token); chosen on the device, so no host sync decides it.
+    i = accepted.clamp(max=n - 1)
+    p_i = p.index_select(0, i[None])[0]
+    if q is not None:
+        residual = (p_i - q.index_select(0, i[None])[0]).clamp_min(0.0)
     else:
-        accepted = 0
-    return accepted, int(sample(p[n], generator))
+        residual = p_i.index_fill(0, draft.index_select(0, i[None]), 0.0)
+    # An all-zero residual is only possible when p == q up to rounding, where rejection has
+    # probability 0: draw from p then.
+    residual = torch.where(residual.sum() > 0, residual, p_i)
+    dist = torch.where(accepted < n, residual, p[n])
+    return torch.stack([accepted, sample(dist, generator)])
 
 
 def _tree_inputs(
-    parents: torch.Tensor, past: int, device: torch.device
+    par: list[int], past: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ancestor mask and position ids for verifying a tree in one forward.
 
     Row/column 0 is the root (the last accepted token); node j of the proposal is row j + 1.
 
+    Args:
+        par: the proposal's parent indices (host list; -1 = the root).
+        past: positions already in the target's KV cache.
+        device: where the target runs.
+
     Returns:
         ``(mask [1, 1, n + 1, past + n + 1] bool, position_ids [1, n + 1], depth [n + 1])``.
     """
-    n = parents.shape[0]
-    par = parents.tolist()
+    n = len(par)
     anc = torch.eye(n + 1, dtype=torch.bool)
     depth = [0] * (n + 1)
     for j, parent in enumerate(par):
@@ -154,17 +160,19 @@ def _tree_inputs(
 
 
 def _accept_tree_greedy(
-    logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
+    choice: list[int], toks: list[int], par: list[int]
 ) -> tuple[list[int], int]:
     """Longest root-to-node path whose tokens equal the target's argmax at each parent.
+
+    Args:
+        choice: the target's argmax at the root and at each node (``n + 1`` host ints).
+        toks: the n node tokens; par: their parents (-1 = the root).
 
     Returns:
         ``(path, next_token)`` where path lists accepted node rows (1-based, root excluded).
     """
-    choice = logits.argmax(dim=-1).tolist()
-    toks = tokens.tolist()
     children: dict[int, list[int]] = {}
-    for j, parent in enumerate(parents.tolist()):
+    for j, parent in enumerate(par):
         children.setdefault(parent + 1, []).append(j + 1)
     path: list[int] = []
     row = 0
@@ -217,8 +225,10 @@ def generate(
     eos = eos_set(eos_token_id)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
     want_hidden = bool(layers)
+    # Reads the clock after the device has finished (a GPU runs ahead of the host).
+    clock = DeviceTimer(device).now
 
-    t_start = time.perf_counter()
+    t_start = clock()
     draft_time = 0.0
     result = GenerationOutput(tokens=[], accepted_per_position=[0] * k)
 
@@ -234,12 +244,12 @@ def generate(
     )
     result.target_forwards = 1
     first, _ = choose(out.logits[0, -1], sampling, generator)
-    emitted = [int(first)]
+    emitted = [int(first)]  # sync: the first token decides whether generation goes on
     if drafter is not None:
-        t0 = time.perf_counter()
+        t0 = clock()
         drafter.start(prompt, _features(out, layers, slice(None)))
-        draft_time += time.perf_counter() - t0
-    result.prefill_time = time.perf_counter() - t_start
+        draft_time += clock() - t0
+    result.prefill_time = clock() - t_start
 
     # ids holds prompt + emitted tokens in a preallocated buffer (no re-allocation per step).
     buf = torch.empty(1, prompt.shape[1] + max_new_tokens, dtype=torch.long, device=device)
@@ -248,6 +258,8 @@ def generate(
     new_tokens = result.tokens
     empty = Proposal(tokens=torch.empty(0, dtype=torch.long, device=device))
 
+    # One step = draft, one target forward, one host read of its outcome (how many tokens were
+    # accepted decides the next step on the host; every other value stays on the device).
     while True:
         # Stop checks on what was just emitted: truncate after the first EOS and at the budget,
         # so the output ends exactly where plain decoding's would.
@@ -272,9 +284,9 @@ def generate(
             k_step = draft_length.choose(k_step)
         step_draft_time = 0.0
         if drafter is not None and k_step > 0:
-            t0 = time.perf_counter()
+            t0 = clock()
             proposal = drafter.propose(ids, k_step, sampling, generator)
-            step_draft_time = time.perf_counter() - t0
+            step_draft_time = clock() - t0
             draft_time += step_draft_time
             if proposal.parents is None and len(proposal) > k_step:
                 proposal = Proposal(  # a chain drafter that ignored k: keep what fits
@@ -285,17 +297,19 @@ def generate(
             proposal = empty
         n = len(proposal)
         tree = proposal.parents is not None and n > 0
-        t_verify = time.perf_counter()
+        t_verify = clock() if draft_length is not None else 0.0
+        draft = proposal.tokens.to(device)
 
         # Verify all proposed tokens in one target forward.
-        inputs = torch.cat([ids[:, -1], proposal.tokens.to(device)])[None]
+        inputs = torch.cat([ids[:, -1], draft])[None]
         if tree:
             if not sampling.greedy:
                 raise ValueError(
                     "tree proposals are verified greedily only (temperature 0); with sampling, "
                     "use a chain drafter"
                 )
-            mask, pos, _ = _tree_inputs(proposal.parents, past, device)
+            par = proposal.parents.tolist()  # sync: the tree's shape builds the mask on the host
+            mask, pos, _ = _tree_inputs(par, past, device)
             out = target(
                 input_ids=inputs,
                 cache=cache,
@@ -312,21 +326,26 @@ def generate(
         logits = out.logits[0]
 
         if tree:
-            path, nxt = _accept_tree_greedy(logits, proposal.tokens, proposal.parents)
+            read = torch.cat([logits.argmax(dim=-1), draft]).tolist()  # sync: the step's outcome
+            toks = read[n + 1 :]
+            path, nxt = _accept_tree_greedy(read[: n + 1], toks, par)
             accepted = len(path)
+            emitted = [toks[row - 1] for row in path] + [nxt]
             kept_rows = torch.tensor([0, *path], device=device)
-            emitted = [int(t) for t in proposal.tokens[kept_rows[1:] - 1].tolist()] + [nxt]
             _keep_cache(cache, past + 1, past + kept_rows[1:])
             kept: torch.Tensor | slice = kept_rows
         else:
-            accepted, nxt = _accept_chain(logits, proposal, sampling, generator)
-            emitted = [*proposal.tokens[:accepted].tolist(), nxt]
+            proposal = Proposal(draft, proposal.probs)
+            decision = _accept_chain(logits, proposal, sampling, generator)
+            read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome, read once
+            accepted, nxt = read[0], read[1]
+            emitted = [*read[2 : 2 + accepted], nxt]
             if accepted < n:
                 cache.crop(accepted - n)
             kept = slice(0, accepted + 1)
 
         if draft_length is not None and drafter is not None and not tree:
-            draft_length.update(n, accepted, time.perf_counter() - t_verify, step_draft_time)
+            draft_length.update(n, accepted, clock() - t_verify, step_draft_time)
         if n:
             result.draft_steps += 1
             result.proposed += n
@@ -334,10 +353,10 @@ def generate(
             for i in range(min(accepted, k)):
                 result.accepted_per_position[i] += 1
         if drafter is not None:
-            t0 = time.perf_counter()
+            t0 = clock()
             drafter.accept(accepted, _features(out, layers, kept))
-            draft_time += time.perf_counter() - t0
+            draft_time += clock() - t0
 
-    result.wall_time = time.perf_counter() - t_start
+    result.wall_time = clock() - t_start
     result.draft_time = draft_time
     return result

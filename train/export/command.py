@@ -29,6 +29,12 @@ free space is checked against the export's size first.
 Errors: exit 2 for a bad checkpoint, format or flag (:class:`ExportError`), exit 1 when the export
 cannot be written (non-finite weights, disk full).
 
+Self-checks: the ``hf`` export reloads the written model and compares its logits with the
+source's, bit for bit, on ``--device`` (``auto``: the first GPU when there is one, else the CPU).
+The EAGLE and Medusa exports run no model: they re-read the written tensors and compare them
+with the source's, byte for byte, on the host; ``--device`` is still checked there (a GPU that is
+not there fails as it does everywhere).
+
 The target an export names (the speculators ``verifier.name_or_path``, the Medusa
 ``base_model_name_or_path``, every model card) is ``--target`` when given, else the target the
 training run recorded (its ``training_metrics.json`` config, the Medusa heads' or the draft's
@@ -48,6 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draftsmith.train.config import cfg_field, parse_config
+from draftsmith.train.device import DEVICE_HELP, device_problem, resolve_device
 from draftsmith.train.errors import RunError, UsageError, cli_main
 
 if TYPE_CHECKING:
@@ -129,9 +136,15 @@ class ExportConfig:
         None, help="EAGLE: an evaluation results JSON whose τ goes into the model card"
     )
     overwrite: bool = cfg_field(False, help="replace an existing export directory")
+    device: str = cfg_field(
+        "auto", help=DEVICE_HELP + "; where the hf export's reload check runs its logits"
+    )
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
+        problem = device_problem(self.device)
+        if problem:
+            problems.append(("device", problem))
         if not Path(self.checkpoint).is_dir():
             problems.append(("checkpoint", f"{self.checkpoint} is not a directory"))
         if self.speculative_tokens < 1:
@@ -145,6 +158,7 @@ def export(cfg: ExportConfig) -> Path:
     """Run one export; returns the export directory."""
     import torch
 
+    device = resolve_device(cfg.device)  # a GPU that is not there fails now, for every format
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         cfg.dtype or ""
     )
@@ -184,7 +198,13 @@ def export(cfg: ExportConfig) -> Path:
 
     if dtype is not None:
         raise ExportError("dtype: the hf export keeps the draft's own dtype")
-    return export_hf(cfg.checkpoint, cfg.out, overwrite=cfg.overwrite, target_name_or_path=target)
+    return export_hf(
+        cfg.checkpoint,
+        cfg.out,
+        overwrite=cfg.overwrite,
+        target_name_or_path=target,
+        device=device,
+    )
 
 
 def _refuse_existing(cfg: ExportConfig) -> None:

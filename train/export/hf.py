@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from draftsmith.train.config import HelpFormatter
+from draftsmith.train.device import DEVICE_HELP, device_facts, resolve_device
 from draftsmith.train.errors import RunError, cli_main
 from draftsmith.train.export.command import (
     ExportError,
@@ -186,10 +187,13 @@ def save_draft(
     return out
 
 
-def _probe_ids(vocab_size: int, length: int = 16) -> torch.Tensor:
-    """A fixed ``[1, length]`` token sequence for the reload check."""
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, length), generator=g)
+def _probe_ids(vocab_size: int, device: torch.device, length: int = 16) -> torch.Tensor:
+    """A fixed ``[1, length]`` token sequence for the reload check, on ``device``.
+
+    Drawn with a CPU generator and moved, so the check feeds the same tokens on every device.
+    """
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return torch.randint(0, vocab_size, (1, length), generator=g).to(device)
 
 
 def export_hf(
@@ -199,6 +203,7 @@ def export_hf(
     tokenizer_src: str | Path | None = None,
     overwrite: bool = False,
     target_name_or_path: str | None = None,
+    device: str | torch.device = "auto",
 ) -> Path:
     """Export a trained draft as a standalone HF model directory, checked by reloading it.
 
@@ -212,6 +217,10 @@ def export_hf(
         target_name_or_path: the target the card names (default: the one the draft's
             ``draftsmith_draft.json`` records); either is named as
             :func:`~draftsmith.train.target.load.describe_target` names it.
+        device: where the reload check runs both models (a ``device`` setting or a
+            ``torch.device``; ``auto``: the first GPU when there is one, else the CPU). The
+            weights are written from the CPU either way; ``checked_on`` in
+            ``draftsmith_draft.json`` records the device.
 
     Returns:
         ``out_dir`` as a Path.
@@ -223,9 +232,11 @@ def export_hf(
         OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
         NonFiniteError: a weight holds NaN or inf.
         RunError: the reloaded export's logits differ from the source's.
+        UsageError: ``device`` names a GPU this machine does not have.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device, "device")
     src = Path(src_dir)
     if not (src / "config.json").is_file() and (src / "draft" / "config.json").is_file():
         src = src / "draft"  # the recipe's output_dir
@@ -264,10 +275,13 @@ def export_hf(
             info.pop(key, None)
     info.update(target_facts(target_name_or_path or info.get("target")))
     info["exported_from"] = str(src)
+    info["checked_on"] = device_facts(device)
     save_draft(model, tokenizer, out, info=info, overwrite=overwrite)
-    # Check the export really is the same model (not merely loadable): same logits, bit for bit.
-    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
-    ids = _probe_ids(min(rows, len(tokenizer)))
+    # Check the export really is the same model (not merely loadable): same logits, bit for bit,
+    # both models on one device (the same kernels, so equal weights give equal bits).
+    model.to(device)
+    reloaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()
+    ids = _probe_ids(min(rows, len(tokenizer)), device)
     with torch.no_grad():
         same = torch.equal(model(ids).logits, reloaded(ids).logits)
     if not same:
@@ -305,8 +319,17 @@ def _main_export_hf(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="destination directory")
     parser.add_argument("--tokenizer", default=None, help="tokenizer source (default: --src)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument(
+        "--device", default="auto", help=DEVICE_HELP + "; where the reload check runs"
+    )
     args = parser.parse_args(argv)
-    out = export_hf(args.src, args.out, tokenizer_src=args.tokenizer, overwrite=args.overwrite)
+    out = export_hf(
+        args.src,
+        args.out,
+        tokenizer_src=args.tokenizer,
+        overwrite=args.overwrite,
+        device=args.device,
+    )
     print(f"exported to {out}")
     return 0
 

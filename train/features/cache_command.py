@@ -1,8 +1,12 @@
 """The ``draftsmith data cache`` command: load the target and data, then build the cache.
 
-``--backend hf`` (default) runs the target with transformers in this process; ``--backend vllm``
-runs it in a vLLM engine in its own environment
-(:mod:`draftsmith.train.features.vllm_backend`), writing the same cache format.
+``--backend hf`` (default) runs the target with transformers in this process, on ``--device``
+(``auto``: under ``accelerate launch`` the device accelerate gives each process, else the first
+GPU when there is one, else the CPU); ``--backend vllm`` runs it in a vLLM engine in its own
+environment (:mod:`draftsmith.train.features.vllm_backend`), writing the same cache format, on
+the platform that vLLM build runs on (its GPUs are chosen with ``CUDA_VISIBLE_DEVICES``), so
+``--device`` stays ``auto`` there. The manifest records the device that ran the target
+(``device``: :func:`~draftsmith.train.device.device_facts`; for vLLM, ``backend.engine``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ import torch
 from draftsmith.train.config import cfg_field
 from draftsmith.train.core.dist import process_state
 from draftsmith.train.data.vocab import load_token_data
-from draftsmith.train.errors import cli_main
+from draftsmith.train.device import (
+    DEVICE_HELP,
+    device_facts,
+    device_problem,
+    is_cpu,
+    resolve_device,
+)
+from draftsmith.train.errors import UsageError, cli_main
 from draftsmith.train.features.cache_format import DTYPES, CacheError
 from draftsmith.train.features.cache_write import build_cache
 from draftsmith.train.features.source import check_layers, default_layers, scan_token_data
@@ -56,6 +67,11 @@ class CacheConfig:
         "vllm: vLLM's choice)",
         choices=["auto", *DTYPES],
     )
+    device: str = cfg_field(
+        "auto",
+        help=DEVICE_HELP + "; under accelerate launch auto is each process's own device; "
+        "--backend vllm and --device-map place the target themselves (leave auto)",
+    )
     backend: str = cfg_field(
         "hf",
         help="what runs the target: hf = transformers in this process; vllm = a vLLM engine in "
@@ -89,7 +105,9 @@ class CacheConfig:
         None, help="chat-template fingerprint to record (default: computed from the tokenizer)"
     )
     overwrite: bool = cfg_field(False, help="replace a cache built with other data/settings")
-    threads: int | None = cfg_field(None, help="torch CPU threads (default: torch's choice)")
+    threads: int | None = cfg_field(
+        None, help="torch CPU threads when the device is the CPU (default: torch's choice)"
+    )
     progress: bool = cfg_field(True, help="show the progress bar")
 
     def validate(self) -> list[tuple[str, str]]:
@@ -106,6 +124,17 @@ class CacheConfig:
             problems.append(("layers", f"must be one or more indices >= 0, got {self.layers}"))
         if self.device_map not in (None, *_DEVICE_MAPS):
             problems.append(("device_map", f"must be one of {list(_DEVICE_MAPS)} or unset"))
+        problem = device_problem(self.device)
+        if problem:
+            problems.append(("device", problem))
+        elif self.device != "auto" and (self.backend == "vllm" or self.device_map is not None):
+            # Either places the target itself: a device asked for would silently not be used.
+            how = (
+                "vLLM runs on its own platform (CUDA_VISIBLE_DEVICES picks its GPUs)"
+                if self.backend == "vllm"
+                else "device_map spreads the target over the visible devices"
+            )
+            problems.append(("device", f"{how}; leave auto"))
         if self.backend == "vllm":
             if self.device_map is not None:
                 problems.append(
@@ -193,14 +222,15 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
                 "machine (e.g. `accelerate launch --num_processes <machines>` on several "
                 "machines, or plain `draftsmith data cache` on one)"
             )
+    device = _device(cfg, state)  # a GPU that is not there fails now, in one line
     # The data first: a wrong path fails before the (slow) target load.
     data = load_token_data(cfg.data)
     if cfg.limit is not None:
         data = data.select(range(min(cfg.limit, len(data))))
-    if cfg.threads:
+    if cfg.threads and is_cpu(device):
         torch.set_num_threads(cfg.threads)
     if cfg.target_dtype == "auto":
-        compute = torch.bfloat16 if state.device.type == "cuda" else torch.float32
+        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
         compute = DTYPES[cfg.target_dtype]
     with contextlib.ExitStack() as stack:
@@ -211,13 +241,37 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
                 cfg.target,
                 cache_dir=cfg.cache_dir,
                 dtype=compute,
-                device=state.device,
+                device=device,
                 device_map=cfg.device_map,
                 quiet=not state.is_main_process,
             )
         summary = _build(cfg, model, tokenizer, data, state)
     summary["is_main_process"] = state.is_main_process
     return summary
+
+
+def _device(cfg: CacheConfig, state: Any) -> torch.device:
+    """The device this process runs the target on (``cfg.device`` resolved).
+
+    ``auto`` is the device accelerate gives this process (one process: the first GPU when there
+    is one, else the CPU). Under several processes ``cuda`` is each process's own GPU, and
+    ``cuda:N`` is refused: it would put every process on one GPU.
+
+    Raises:
+        UsageError: a GPU this machine does not have, or ``cuda:N`` with several processes
+            (one line naming ``device``).
+    """
+    if cfg.device == "auto":
+        return state.device
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and state.num_processes > 1:
+        if cfg.device == "cuda" and state.device.type == "cuda":
+            return state.device
+        raise UsageError(
+            f"device: {cfg.device} would put all {state.num_processes} processes on one GPU; "
+            "use auto (or cuda): each process then runs on its own GPU"
+        )
+    return device
 
 
 def _build(cfg: CacheConfig, model: Any, tokenizer: Any, data: Any, state: Any) -> dict[str, Any]:
@@ -246,6 +300,9 @@ def _build(cfg: CacheConfig, model: Any, tokenizer: Any, data: Any, state: Any) 
         progress=cfg.progress,
         state=state,
         backend=model.backend if cfg.backend == "vllm" else None,
+        # vLLM's platform is in the backend's record; an HF target's first weight says where
+        # it ran (with device_map, where its first layers are).
+        device=None if cfg.backend == "vllm" else device_facts(next(model.parameters()).device),
     )
 
 

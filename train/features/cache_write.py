@@ -38,6 +38,7 @@ import torch
 from draftsmith.heads.base import unwrap_model
 from draftsmith.train.core.dist import process_state
 from draftsmith.train.data.vocab import VOCAB_STATS_FILE, save_vocab_stats, token_counts
+from draftsmith.train.device import device_facts
 from draftsmith.train.features.cache_format import (
     DTYPES,
     FORMAT,
@@ -114,6 +115,7 @@ def build_cache(
     state: PartialState | None = None,
     on_shard_written: Callable[[int], None] | None = None,
     backend: Mapping[str, Any] | None = None,
+    device: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run the frozen target over tokenized data and write a hidden-state cache (resumable).
 
@@ -149,6 +151,9 @@ def build_cache(
             :mod:`draftsmith.train.features.vllm_backend`); recorded in the manifest
             (``{"name": "hf"}`` when None), and its name joins the plan hash so a resume never
             mixes two backends' shards.
+        device: where the target ran, as :func:`~draftsmith.train.device.device_facts` gives
+            it (rank 0's); recorded in the manifest (``device``). None: the device of the
+            target's first weight, or nothing for another ``backend`` (its record says).
 
     Returns:
         Summary: ``out``, ``process_index``, ``num_processes``, ``num_samples``,
@@ -313,6 +318,7 @@ def build_cache(
                 draft_vocab_size,
                 always_include,
                 backend,
+                device,
             )
         state.wait_for_everyone()
     return {
@@ -403,6 +409,7 @@ def _finalize(
     draft_vocab_size: int | None,
     always_include: Sequence[int],
     backend: Mapping[str, Any] | None,
+    device: Mapping[str, Any] | None,
 ) -> None:
     """Rank 0, after every shard exists: index, ids, vocab stats, then the manifest."""
     from safetensors import safe_open
@@ -507,6 +514,10 @@ def _finalize(
         "versions": versions,
         "backend": dict(backend) if backend else {"name": "hf"},
     }
+    if device is None and not backend:
+        device = device_facts(next(inner.parameters()).device)
+    if device is not None:
+        manifest["device"] = dict(device)
     _write_json(out / MANIFEST_FILE, manifest, indent=2)
 
 

@@ -1,27 +1,47 @@
 """The quickstart's time budget: measured throughputs, and the data sizes and times they give.
 
-:func:`make_plan` turns ``--budget-minutes`` into data sizes from the rates measured on a 2-core
-CPU (:data:`RATES`): the fixed costs and the evaluation come first; of what is left, data making
-gets :data:`DATA_SHARE` and training the rest. The training stage is sized again when it starts
+:func:`make_plan` turns ``--budget-minutes`` into data sizes from a set of :class:`Rates`: the
+fixed costs and the evaluation come first; of what is left, data making gets :data:`DATA_SHARE`
+and training the rest. The training stage is sized again when it starts
 (:meth:`Plan.train_time_left`, :func:`train_schedule`), from the time actually spent so far and
 how fast this machine cached (:func:`speed_factor`): the epochs that fit, with the time left as a
 hard stop, so a slow data stage shortens training instead of overrunning the budget.
+
+The rates come from :func:`probe_rates`, a probe of a few seconds on the device and target the
+job runs on: a short batched generation, a forward with hidden states, a few EAGLE-3 training
+steps and a few decoding steps, each timed with :class:`~draftsmith.train.device.DeviceTimer`.
+What it measures is not a whole stage (no long prompts, no padding, no data loading), so each
+stage rate is the reference rate scaled by how much faster the probe ran here than on the
+reference machine: ``RATES.x * measured.x / PROBE_REFERENCE.x``. :data:`RATES` (the stage rates)
+and :data:`PROBE_REFERENCE` (the probe's own figures) were both measured on the project's 2-core
+CPU, so there the probe reproduces the reference plan, and on a GPU it scales every rate by what
+the GPU really does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
+    "PROBE_REFERENCE",
     "RATES",
     "STAGE_NAMES",
     "BudgetSettings",
     "Plan",
+    "Probe",
     "Rates",
+    "generation_batch_size",
     "make_plan",
+    "probe_rates",
     "speed_factor",
     "train_schedule",
 ]
@@ -32,7 +52,8 @@ STAGE_NAMES = ("prepare", "prompts", "distill", "tokenize", "cache", "train", "e
 
 @dataclass(frozen=True)
 class Rates:
-    """Throughputs the plan is sized by: SmolLM2-135M-Instruct, bf16, a 2-core CPU.
+    """Throughputs the plan is sized by. The defaults (:data:`RATES`) are the CPU reference:
+    SmolLM2-135M-Instruct, bf16, a 2-core CPU; :func:`probe_rates` scales them to the machine.
 
     Measured on the project's machine (docs/performance.md, docs/data.md) except where noted.
 
@@ -75,6 +96,19 @@ class Rates:
 
 
 RATES = Rates()
+"""The CPU reference: what the stages ran at on the project's 2-core CPU (``--no-probe`` plans
+with these)."""
+
+#: What :func:`probe_rates` measures on the reference machine (the one :data:`RATES` was measured
+#: on: 2 cores, 2 torch threads, SmolLM2-135M-Instruct, bf16, batch 64), tokens/s of each probe:
+#: the median of 6 probes on the idle machine (spread: generation 280-390, cache 800-1000,
+#: training 720-770, evaluation 15-18), about 5.5 s each with the target's load.
+PROBE_REFERENCE = {
+    "generate_tokens_per_s": 290.0,
+    "cache_tokens_per_s": 900.0,
+    "train_tokens_per_s": 740.0,
+    "eval_tokens_per_s": 16.0,
+}
 
 #: Share of the budget the plan fills (the rest is slack for the estimates' error).
 PLAN_SHARE = 0.95
@@ -126,7 +160,8 @@ class Plan:
         return sum(self.estimates.values())
 
     def record(self, budget_minutes: float, rates: Rates = RATES) -> dict[str, Any]:
-        """The plan as the job's state keeps it (``quickstart.json``'s ``plan``)."""
+        """The plan as the job's state keeps it (``quickstart.json``'s ``plan``; the caller adds
+        where the rates came from)."""
         return {
             "budget_minutes": budget_minutes,
             "seed_prompts": self.seeds,
@@ -153,7 +188,9 @@ def _record_costs(max_new_tokens: int, rates: Rates) -> tuple[float, float]:
     return magpie, rest
 
 
-def make_plan(cfg: BudgetSettings, seeds: int, rates: Rates = RATES) -> Plan:
+def make_plan(
+    cfg: BudgetSettings, seeds: int, rates: Rates = RATES, *, probe_s: float = 0.0
+) -> Plan:
     """Split the budget into data sizes and per-stage time estimates.
 
     Fixed costs (prepare, stage starts, tokenize, export) and the evaluation come first; of the
@@ -163,7 +200,8 @@ def make_plan(cfg: BudgetSettings, seeds: int, rates: Rates = RATES) -> Plan:
     Args:
         cfg: the job's settings.
         seeds: prompts of the shipped train split and the user's file (Magpie's seeds).
-        rates: throughputs to size by.
+        rates: throughputs to size by (:func:`probe_rates`, or the CPU reference).
+        probe_s: seconds the probe took (counted with the prepare stage: it runs right after).
     """
     budget = PLAN_SHARE * 60 * cfg.budget_minutes
     per_eval_prompt = EVAL_STREAMS * cfg.max_new_tokens / rates.eval_tokens_per_s
@@ -171,7 +209,7 @@ def make_plan(cfg: BudgetSettings, seeds: int, rates: Rates = RATES) -> Plan:
         min(16, max(4, round(EVAL_SHARE * 60 * cfg.budget_minutes / per_eval_prompt)))
     )
     est = {
-        "prepare": rates.prepare_s,
+        "prepare": rates.prepare_s + probe_s,
         "tokenize": rates.tokenize_s + rates.load_s,
         "evaluate": eval_prompts * per_eval_prompt + 4 * rates.load_s,
         "export": rates.export_s,
@@ -260,3 +298,297 @@ def train_schedule(
     epochs = round(min(30.0, max(0.1, fit / train_tokens)), 2)
     steps = train_steps or math.ceil(epochs * (samples - val_samples) / samples_per_step)
     return {"epochs": epochs, "planned_steps": steps, "train_s": round(left_s, 1)}
+
+
+# --------------------------------------------------------------------------------------------
+# The probe: this machine's rates
+# --------------------------------------------------------------------------------------------
+
+#: Rows x tokens of the probe's hidden-state forward, which is also its training batch.
+PROBE_SHAPE = (4, 64)
+#: Prompt tokens of each generated row: short, since the decode steps are what is measured.
+PROBE_PROMPT_TOKENS = 4
+#: Tokens generated per row by the batched generation.
+PROBE_NEW_TOKENS = 4
+#: Tokens of the single-stream decoding (the evaluation's plain and speculative streams).
+PROBE_EVAL_TOKENS = 8
+#: Each measurement runs at least twice and until it has run this long (at most
+#: :data:`PROBE_MAX_REPS` times), and keeps its fastest run: a one-off stall (another process,
+#: a page fault) is not taken for the machine's speed. Two runs on a CPU, five on a GPU.
+PROBE_MIN_REPS = 2
+PROBE_MIN_S = 0.3
+PROBE_MAX_REPS = 5
+#: Rows the data stages may decode together on a GPU (:func:`generation_batch_size`).
+GPU_BATCHES = (64, 128, 256)
+#: Rows on a CPU: 64 gives ~10x the tokens/s of one row on 2 cores; more add little.
+CPU_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`probe_rates` measured, and the rates it gives.
+
+    Attributes:
+        rates: the plan's rates: :data:`RATES` with the probed ones scaled (module docstring).
+        measured: tokens/s of each probe, keyed by the :class:`Rates` field it scales.
+        seconds: the probe's wall time, the target's load included.
+        device: :func:`~draftsmith.train.device.device_facts` of where it ran.
+        dtype: the dtype its single-stream decoding ran in (the evaluation's).
+        batch_size: rows of its batched generation: what the data stages decode together.
+    """
+
+    rates: Rates
+    measured: dict[str, float]
+    seconds: float
+    device: dict[str, Any]
+    dtype: str
+    batch_size: int
+
+    def record(self) -> dict[str, Any]:
+        """The probe as the job's state keeps it (``quickstart.json``'s ``plan.probe``)."""
+        return {
+            "probed": True,
+            "device": dict(self.device),
+            "dtype": self.dtype,
+            "batch_size": self.batch_size,
+            # Unrounded: a rerun rebuilds exactly this probe, so the same command plans the same.
+            "seconds": self.seconds,
+            "measured_tokens_per_s": dict(self.measured),
+            "reference_tokens_per_s": dict(PROBE_REFERENCE),
+            "rates": dataclasses.asdict(self.rates),
+        }
+
+    @classmethod
+    def from_record(cls, record: Any) -> Probe | None:
+        """The probe a job's state recorded, or None when there is none (or it is unreadable)."""
+        if not isinstance(record, dict) or record.get("probed") is not True:
+            return None
+        try:
+            return cls(
+                rates=Rates(**record["rates"]),
+                measured={k: float(v) for k, v in record["measured_tokens_per_s"].items()},
+                seconds=float(record["seconds"]),
+                device=dict(record["device"]),
+                dtype=str(record["dtype"]),
+                batch_size=int(record["batch_size"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+
+def scaled_rates(measured: dict[str, float], load_s: float = 0.0) -> Rates:
+    """:data:`RATES` with each probed rate scaled by ``measured / PROBE_REFERENCE``.
+
+    Args:
+        measured: tokens/s of the probes (:data:`PROBE_REFERENCE`'s keys).
+        load_s: seconds the target took to load; a stage's start is never counted shorter than
+            the reference's (imports included), but a slower load (a larger target) counts.
+    """
+    changes = {k: getattr(RATES, k) * measured[k] / PROBE_REFERENCE[k] for k in PROBE_REFERENCE}
+    return dataclasses.replace(RATES, **changes, load_s=max(RATES.load_s, load_s))
+
+
+def generation_batch_size(model: Any, device: torch.device, seq_tokens: int) -> int:
+    """Rows Magpie and self-distillation decode together on ``device``.
+
+    On the CPU :data:`CPU_BATCH`. On a GPU a decode step of a small target costs about the same
+    for 64 rows as for 256 (it is bound by kernel launches, not arithmetic), so the most rows of
+    :data:`GPU_BATCHES` whose bf16 KV cache (``seq_tokens`` per row) fits in half the free
+    memory.
+
+    Args:
+        model: the target (its config gives the KV cache's size per token).
+        device: where the stages run.
+        seq_tokens: the longest row (prompt + answer) to leave room for.
+    """
+    if device.type != "cuda":
+        return CPU_BATCH
+    import torch
+
+    c = model.config
+    heads = int(c.num_attention_heads)
+    kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+    per_row = 2 * int(c.num_hidden_layers) * kv_heads * head_dim * 2 * seq_tokens  # K and V
+    free, _ = torch.cuda.mem_get_info(device)
+    fits = [b for b in GPU_BATCHES if b * per_row <= free / 2]
+    return max(fits, default=GPU_BATCHES[0])
+
+
+def probe_rates(
+    target: str | Path | None,
+    device: torch.device,
+    *,
+    eval_dtype: torch.dtype | None = None,
+    batch_size: int | None = None,
+    seq_tokens: int = 512,
+    ttt_steps: int = 3,
+    draft_vocab_size: int = 8192,
+    cache_dir: str | Path | None = None,
+) -> Probe:
+    """Measure this machine's rates on ``device``: a few seconds with the target loaded.
+
+    Loads the target in bf16 (as the data stages and the cache do) and times, on ``device``:
+    a batched greedy generation (``batch_size`` rows, :data:`PROBE_NEW_TOKENS` tokens each), a
+    forward with hidden states over :data:`PROBE_SHAPE` (copied to the host, as the cache
+    does), EAGLE-3 training steps over those hidden states (``ttt_steps``, bf16 autocast, AdamW)
+    and single-stream decoding in ``eval_dtype``. Every reading is taken with a
+    :class:`~draftsmith.train.device.DeviceTimer` and is the fastest of at least two runs (a
+    one-off stall is not the machine's speed). About 5.5 s on 2 idle CPU cores with
+    SmolLM2-135M-Instruct, the target's load included; a second or two on a GPU.
+
+    Args:
+        target: the prepared target (a directory, or what ``load_target`` accepts).
+        device: where the stages will run (resolved: ``cpu``, ``cuda:0``, ...).
+        eval_dtype: the evaluation's dtype (default bf16).
+        batch_size: rows of the batched generation; None: :func:`generation_batch_size`.
+        seq_tokens: the longest generated row to leave memory for (None batch size only).
+        ttt_steps: EAGLE-3 training-time-test steps of the training steps.
+        draft_vocab_size: the drafter's vocabulary (capped at the target's).
+        cache_dir: draftsmith cache root of the target.
+
+    Returns:
+        The :class:`Probe`; its ``rates`` are what the plan is sized by.
+    """
+    import torch
+
+    from draftsmith.train.device import DeviceTimer, device_facts
+    from draftsmith.train.target.load import load_target
+
+    eval_dtype = eval_dtype or torch.bfloat16
+    timer = DeviceTimer(device)
+    start = timer.now()
+    model, _ = load_target(
+        target, cache_dir=cache_dir, dtype=torch.bfloat16, device=device, quiet=True
+    )
+    load_s = timer.now() - start
+    try:
+        batch = batch_size or generation_batch_size(model, device, seq_tokens)
+        measured = _measure(model, device, timer, batch, eval_dtype, ttt_steps, draft_vocab_size)
+    finally:
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the stages load their own copy next
+    return Probe(
+        rates=scaled_rates(measured, load_s),
+        measured=measured,
+        seconds=timer.now() - start,
+        device=device_facts(device),
+        dtype=str(eval_dtype).removeprefix("torch."),
+        batch_size=batch,
+    )
+
+
+def _fastest(run: Callable[[], Any], timer: Any) -> tuple[float, Any]:
+    """``(seconds of the fastest run, the last result)`` of ``run`` repeated per the probe's
+    rule (:data:`PROBE_MIN_REPS`, :data:`PROBE_MIN_S`, :data:`PROBE_MAX_REPS`)."""
+    times: list[float] = []
+    result = None
+    while len(times) < PROBE_MIN_REPS or (len(times) < PROBE_MAX_REPS and sum(times) < PROBE_MIN_S):
+        t0 = timer.now()
+        result = run()
+        times.append(timer.now() - t0)
+    return max(min(times), 1e-9), result
+
+
+def _measure(
+    model: Any,
+    device: torch.device,
+    timer: Any,
+    batch: int,
+    eval_dtype: torch.dtype,
+    ttt_steps: int,
+    draft_vocab_size: int,
+) -> dict[str, float]:
+    """The four probes on a loaded bf16 target; tokens/s keyed as :data:`PROBE_REFERENCE`."""
+    import torch
+
+    from draftsmith.train.datagen.generation import generate_batch
+    from draftsmith.train.features.source import default_layers, run_target
+
+    config = model.config
+    rows, width = PROBE_SHAPE
+    # Fixed ids drawn on the CPU (the same probe on every device), then moved to the device.
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, int(config.vocab_size), (rows, width), generator=gen).to(device)
+    with torch.no_grad():
+        model(input_ids=ids[:1, :8])  # the first forward sets up kernels and the allocator
+
+    # The hidden-state cache: one forward with every hidden state, the cached layers to the host.
+    layers = default_layers("eagle3", int(config.num_hidden_layers))
+
+    def cache_forward() -> tuple[torch.Tensor, ...]:
+        with torch.no_grad():  # not inference_mode: the training probe reads these tensors
+            hidden = run_target(model, ids, None)
+            torch.stack([hidden[layer] for layer in layers], dim=2).cpu()
+        return hidden
+
+    cache_s, hidden = _fastest(cache_forward, timer)
+
+    # Batched generation, as Magpie and self-distillation decode (greedy, never stopping early).
+    prompt = ids[0, :PROBE_PROMPT_TOKENS].tolist()
+    gen_s, _ = _fastest(
+        lambda: generate_batch(model, [prompt] * batch, max_new_tokens=PROBE_NEW_TOKENS), timer
+    )
+
+    train_s = _train_seconds(model, device, timer, ids, hidden, ttt_steps, draft_vocab_size)
+    del hidden
+
+    # Single-stream decoding in the evaluation's dtype.
+    if eval_dtype != torch.bfloat16:
+        model.to(eval_dtype)
+        generate_batch(model, [prompt], max_new_tokens=2)  # the new dtype's kernels
+    eval_s, _ = _fastest(
+        lambda: generate_batch(model, [prompt], max_new_tokens=PROBE_EVAL_TOKENS), timer
+    )
+    return {
+        "generate_tokens_per_s": batch * PROBE_NEW_TOKENS / gen_s,
+        "cache_tokens_per_s": rows * width / cache_s,
+        "train_tokens_per_s": rows * width / train_s,
+        "eval_tokens_per_s": PROBE_EVAL_TOKENS / eval_s,
+    }
+
+
+def _train_seconds(
+    model: Any,
+    device: torch.device,
+    timer: Any,
+    ids: torch.Tensor,
+    hidden: tuple[torch.Tensor, ...],
+    ttt_steps: int,
+    draft_vocab_size: int,
+) -> float:
+    """Seconds of the fastest EAGLE-3 training step over ``hidden`` (the target's hidden states
+    of ``ids``), as the train stage runs it: fp32 drafter, bf16 autocast, clipping, AdamW."""
+    import torch
+
+    from draftsmith.heads.eagle import EagleConfig, build_drafter
+    from draftsmith.train.objectives.eagle_ttt import eagle3_ttt_loss
+
+    config = model.config
+    eagle = EagleConfig.from_target(
+        config, 3, draft_vocab_size=min(draft_vocab_size, int(config.vocab_size))
+    )
+    drafter = build_drafter(model, eagle, seed=0).train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    needed = sorted({*eagle.feature_layers, eagle.target_num_layers})
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+        "hidden_states": {layer: hidden[layer] for layer in needed},
+    }
+    lm_head = model.get_output_embeddings()
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss, _ = eagle3_ttt_loss(drafter, batch, lm_head, steps=ttt_steps)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # the first step allocates the optimizer's state
+    return _fastest(step, timer)[0]

@@ -17,7 +17,6 @@ over an earlier stage's extended output; any other change adds its ``restart`` f
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import json
@@ -197,14 +196,19 @@ class StageJob:
 
     # --- running the stages -------------------------------------------------------------------
 
-    def _run_stages(self, builders: Sequence[Callable[[], Stage]]) -> bool:
+    def _run_stages(self, builders: Sequence[Callable[[], Stage]], start: int = 1) -> bool:
         """Build each stage when it is reached and run (or skip) it, in order.
+
+        Args:
+            builders: one per stage, called when the stage is reached.
+            start: the first one's number in the job (a job that does something between its
+                stages runs them in several calls: ``[1/8]``, then from ``[2/8]``).
 
         Returns:
             False when a stage was interrupted (the state is saved, and how to resume printed).
         """
         try:
-            for index, build in enumerate(builders, start=1):
+            for index, build in enumerate(builders, start=start):
                 self.run_stage(index, build())
         except StageInterrupted as exc:
             self._save_state()
@@ -315,11 +319,9 @@ def _fresh_accelerate_state() -> None:
     mixed precision; accelerate keeps both for the life of the process and refuses an Accelerator
     whose settings differ from an earlier one (the conftest does the same between tests).
     """
-    with contextlib.suppress(ImportError, AttributeError):
-        from accelerate.state import AcceleratorState, GradientState
+    from draftsmith.train.core.accelerate_compat import reset_accelerate_state
 
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    reset_accelerate_state()
 
 
 # --------------------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ def target_distribution(
     t2d: torch.Tensor | None = None,
     chunk: int = 1024,
     rows: torch.Tensor | None = None,
+    vocab_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's next-token distribution and argmax from its final normed hidden states.
 
@@ -105,40 +106,52 @@ def target_distribution(
         final_hidden: ``[B, T, H]`` the target's ``hidden_states[N]``.
         target_lm_head: the target's output head.
         t2d: EAGLE-3 ``[V]`` bool: restrict (and renormalise) the distribution to the draft
-            vocab. None: the full vocab.
+            vocab. None: the full vocab. Finding its True entries waits for the device; a
+            training step passes ``vocab_ids`` instead.
         chunk: positions per head call.
         rows: optional ``[B, T]`` bool: compute only these positions (the ones some loss term
             reads). The full-vocab head runs over B*T*V*H multiply-adds, ~10 % of an EAGLE-3
             training step at SmolLM2's 49k vocab; prompt tokens and padding need none of it.
-            Other positions get all-zero probabilities and argmax -1.
+            Other positions get all-zero probabilities and argmax -1. Sizing the selection is
+            one host sync.
+        vocab_ids: EAGLE-3, instead of ``t2d``: ``[V_draft]`` long, the target ids of the draft
+            vocab in draft order (``arange(V_draft) + d2t``, which lists ``t2d``'s True ids in
+            ascending order): the same distribution, gathered without a host sync.
 
     Returns:
         ``(probs [B, T, V or V_draft] float32, argmax [B, T] long over the full target vocab)``.
     """
     w = target_lm_head.weight
     b, t, _ = final_hidden.shape
-    hidden = final_hidden if rows is None else final_hidden[rows.to(final_hidden.device)][None]
+    if vocab_ids is None and t2d is not None:
+        vocab_ids = t2d.to(w.device).nonzero().flatten()  # sync: the draft vocab's ids
+    where = None
+    hidden = final_hidden
+    if rows is not None:
+        # sync: the number of selected rows sizes the head's input (once; reused to scatter).
+        where = rows.to(final_hidden.device).nonzero(as_tuple=True)
+        hidden = final_hidden[where][None]
     probs, argmax = [], []
     for s in range(0, hidden.shape[1], chunk):
         logits = target_lm_head(hidden[:, s : s + chunk].to(device=w.device, dtype=w.dtype))
         logits = logits.float()
         argmax.append(logits.argmax(-1))
-        if t2d is not None:
-            logits = logits[..., t2d.to(logits.device)]
+        if vocab_ids is not None:
+            logits = logits.index_select(-1, vocab_ids.to(logits.device))
         probs.append(torch.softmax(logits, dim=-1))
-    width = int(t2d.sum()) if t2d is not None else w.shape[0]
+    width = vocab_ids.numel() if vocab_ids is not None else w.shape[0]  # shapes: no sync
     if not probs:  # nothing to compute (no row selected)
         probs = [torch.zeros(1, 0, width, device=w.device)]
         argmax = [torch.zeros(1, 0, dtype=torch.long, device=w.device)]
     p, a = torch.cat(probs, dim=1), torch.cat(argmax, dim=1)
-    if rows is None:
+    if where is None:
         return p, a
     # Scatter the selected rows back to [B, T]: labels are sliced by position below.
-    mask = rows.to(p.device)
+    where = tuple(i.to(p.device) for i in where)
     full_p = p.new_zeros(b, t, width)
     full_a = a.new_full((b, t), -1)
-    full_p[mask] = p[0]
-    full_a[mask] = a[0]
+    full_p[where] = p[0]
+    full_a[where] = a[0]
     return full_p, full_a
 
 
@@ -302,8 +315,10 @@ def eagle3_ttt_loss(
     # Step j's label at position t is the distribution at q = t + 1 + j, read iff
     # supervised[q + 1]: so position q is needed iff supervised[q + 1], whatever j.
     rows = shift_left(supervised, 1) > 0 if supervised_labels_only else None
+    # The draft vocab as target ids (arange + d2t): gathered without reading t2d on the host.
+    vocab_ids = core.target_ids(torch.arange(cfg.draft_vocab_size, device=core.d2t.device))
     target_p, target_arg = target_distribution(
-        hidden[cfg.target_num_layers].to(dev), target_lm_head, core.t2d, rows=rows
+        hidden[cfg.target_num_layers].to(dev), target_lm_head, rows=rows, vocab_ids=vocab_ids
     )
     target_p, target_arg = target_p.to(dev), target_arg.to(dev)
     base_pos = torch.arange(t, device=dev)[None].expand(b, -1)

@@ -132,9 +132,11 @@ def build_report(
         config = data["config"]
         methods = data.get("methods", [data])
         specs = config["drafter"]
-        threads = (data.get("machine") or {}).get("torch_threads") or 1
+        machine = data.get("machine") or {}
+        threads = machine.get("torch_threads") or 1
         dtype = methods[0].get("dtype", config.get("dtype", "float32"))
-        costs = load_costs(profile, dtype, threads)
+        # The device the runs were timed on (results before the device setting: the CPU).
+        costs = load_costs(profile, dtype, threads, machine.get("device_type") or "cpu")
         costs_info.update(dtype=dtype, threads=threads, seconds_per_width=costs)
         summaries = []
         for spec, m in zip(specs, methods, strict=True):

@@ -9,8 +9,10 @@ strides and the slow path. Such views are everywhere in decoding: HF's ``logits_
 prefill slices the last row, drafters read ``hidden[:, -1:]``. Flattening the leading dims to a
 2-D ``[N, K]`` view (always possible without a copy for these tensors) takes the fast path.
 
-fp32 is not affected measurably, but the flattened call is never slower, so targets and drafters
-get it in every dtype (``scripts/bench_forward.py`` measures both).
+Where it applies (``scripts/bench_forward.py`` measures it): only CPU layers with bf16 or fp16
+weights. fp32 showed no measurable difference, and on a GPU the slow path does not exist (cuBLAS
+takes any strides), so layers on other devices or in fp32 are left as they are: a CPU-only
+workaround stays on the CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["flatten_linear_inputs"]
+__all__ = ["PATCHED_DTYPES", "flatten_linear_inputs", "needs_flat_inputs"]
 
 
 def _flat_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -31,8 +33,21 @@ def _flat_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
+#: Weight dtypes whose CPU kernels take the slow path (measured: bf16; fp16 shares its kernels).
+PATCHED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def needs_flat_inputs(module: nn.Linear) -> bool:
+    """Whether this layer gets the patch: a CPU layer with bf16/fp16 weights."""
+    weight = module.weight
+    return weight.device.type == "cpu" and weight.dtype in PATCHED_DTYPES
+
+
 def flatten_linear_inputs(*modules: object) -> int:
-    """Make every plain ``nn.Linear`` inside ``modules`` flatten its input to 2-D first.
+    """Make every plain CPU bf16/fp16 ``nn.Linear`` inside ``modules`` flatten its input to 2-D.
+
+    Call it after the modules are on their device and in their dtype: layers elsewhere (a GPU,
+    the meta device) or in fp32 are not patched (:func:`needs_flat_inputs`).
 
     Objects that are not modules (e.g. a proposer holding its drafter module in an attribute)
     are searched one level deep for module attributes. Idempotent; the patch is an instance
@@ -51,7 +66,11 @@ def flatten_linear_inputs(*modules: object) -> int:
     patched = 0
     for root in roots:
         for module in root.modules():
-            if type(module) is nn.Linear and "forward" not in vars(module):
+            if (
+                type(module) is nn.Linear
+                and "forward" not in vars(module)
+                and needs_flat_inputs(module)
+            ):
                 module.forward = types.MethodType(_flat_linear_forward, module)
                 patched += 1
     return patched

@@ -149,7 +149,9 @@ def load_target(
         source: See :func:`prepare_target`.
         cache_dir: See :func:`prepare_target`.
         dtype: Dtype to load the weights in.
-        device: Device to move the model to (unused with ``device_map``).
+        device: Device to move the model to (unused with ``device_map``): a ``torch.device``
+            or a ``device`` setting (``auto``, ``cpu``, ``cuda``, ``cuda:N``; see
+            :func:`draftsmith.train.device.resolve_device`).
         device_map: Spread the model over the visible devices instead (``auto``, ``balanced``,
             ``sequential``, ...; passed to ``from_pretrained``), for targets larger than one.
         quiet: Suppress the progress messages of preparing the target (e.g. on non-main ranks).
@@ -172,10 +174,13 @@ def load_target(
         raise TargetError(f"cannot load target model weights from {path}: {exc}") from exc
     tokenizer = load_tokenizer(path)
     if device_map is None:
-        model.to(device)
+        from draftsmith.train.device import resolve_device
+
+        model.to(resolve_device(device))
     model.eval()
     model.requires_grad_(False)
-    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target/kernels.py).
+    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target/kernels.py);
+    # patched only where that path exists (CPU, bf16/fp16), so after the move and the dtype.
     from draftsmith.train.target.kernels import flatten_linear_inputs
 
     flatten_linear_inputs(model)

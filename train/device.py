@@ -1,0 +1,177 @@
+"""The one device setting: parse it, resolve it, describe it, time on it, seed on it.
+
+Every command that runs a model has a ``device`` field (``auto`` | ``cpu`` | ``cuda`` |
+``cuda:N``). :func:`device_problem` checks its spelling during config validation (so a typo is
+reported with every other bad field), :func:`resolve_device` turns it into a ``torch.device``
+(``auto`` = the first CUDA device when there is one, else the CPU) and refuses a device this
+machine does not have with one line naming the field. Recipes under accelerate do not read it:
+they use ``accelerator.device`` (the launcher decides).
+
+On an asynchronous device a wall-clock read right after a launch measures the launch, not the
+work: :class:`DeviceTimer` synchronizes the device before every read, so the loop's draft time,
+the adaptive draft length's cost model, evaluate's tokens/s and the benches mean the same thing
+on a GPU as on the CPU.
+
+Random numbers are drawn on the device of the tensors they feed (``torch.rand(...,
+device=cuda, generator=g)`` refuses a CPU generator): :func:`make_generator` builds one there.
+For a given seed and device the draws are reproducible; CPU and CUDA draw different streams.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import torch
+
+from draftsmith.train.errors import UsageError
+
+__all__ = [
+    "DEVICE_HELP",
+    "DeviceTimer",
+    "device_facts",
+    "device_problem",
+    "is_cpu",
+    "make_generator",
+    "resolve_device",
+    "synchronize",
+]
+
+DEVICE_HELP = (
+    "where the models run: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N "
+    "(the N-th GPU)"
+)
+
+_SPEC = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def device_problem(spec: object) -> str | None:
+    """What is wrong with a ``device`` value's spelling, or None (no hardware is asked).
+
+    Args:
+        spec: the configured value (a string, or a ``torch.device`` passed by code).
+    """
+    if isinstance(spec, torch.device):
+        return None
+    if not isinstance(spec, str) or not _SPEC.match(spec):
+        return f"must be auto, cpu, cuda or cuda:N (N = 0, 1, ...), got {spec!r}"
+    return None
+
+
+def resolve_device(spec: str | torch.device | None = "auto", field: str = "device") -> torch.device:
+    """The ``torch.device`` that ``spec`` names on this machine.
+
+    Args:
+        spec: ``auto`` (or None), ``cpu``, ``cuda``, ``cuda:N`` or a ``torch.device``.
+        field: the config field named in errors.
+
+    Raises:
+        UsageError: a misspelled value, or a GPU this machine does not have (the message names
+            the field and what is there instead).
+    """
+    if spec is None:
+        spec = "auto"
+    problem = device_problem(spec)
+    if problem:
+        raise UsageError(f"{field}: {problem}")
+    if isinstance(spec, torch.device):
+        return spec
+    if spec == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if _cuda_count() else _CPU
+    if spec == "cpu":
+        return _CPU
+    count = _cuda_count()
+    index = int(spec.partition(":")[2] or 0)
+    if count == 0:
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise UsageError(
+            f"{field}: {spec} asked for, but this machine has no usable CUDA GPU (torch "
+            f"{torch.__version__}, {build}); use --device cpu or auto"
+        )
+    if index >= count:
+        raise UsageError(
+            f"{field}: {spec} asked for, but this machine has {count} CUDA GPU(s) "
+            f"(cuda:0 to cuda:{count - 1})"
+        )
+    return torch.device("cuda", index)
+
+
+_CPU = torch.device("cpu")
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def is_cpu(device: torch.device | str) -> bool:
+    """Whether ``device`` is the CPU (where the CPU-only workarounds apply)."""
+    return torch.device(device).type == "cpu"
+
+
+def device_facts(device: torch.device | str) -> dict[str, Any]:
+    """What a results JSON records about the device that actually ran.
+
+    Returns:
+        ``{"device": "cuda:0", "device_type": "cuda", "gpu_name": ..., "gpu_count": ...,
+        "cuda_version": ..., "gpu_memory_gib": ...}``; on the CPU just the first two.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    facts: dict[str, Any] = {"device": str(device), "device_type": device.type}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        facts.update(
+            gpu_name=props.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            cuda_version=torch.version.cuda,
+        )
+    return facts
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device`` (no-op on the CPU and the meta device)."""
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type not in ("cpu", "meta"):
+        accel = getattr(torch, "accelerator", None)
+        if accel is not None and accel.is_available():
+            accel.synchronize(device)
+
+
+class DeviceTimer:
+    """Wall-clock seconds of work on one device, synchronized before every read.
+
+    Example::
+
+        timer = DeviceTimer(device)
+        t0 = timer.now()          # waits for queued work, then reads the clock
+        run_step()
+        seconds = timer.now() - t0
+
+    On the CPU ``now()`` is ``time.perf_counter()``; on CUDA it synchronizes first, so a read
+    includes every kernel launched before it.
+    """
+
+    def __init__(self, device: torch.device | str | None) -> None:
+        self.device = None if device is None else torch.device(device)
+        self._sync = self.device is not None and self.device.type not in ("cpu", "meta")
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock, after the device has finished its queued work."""
+        if self._sync:
+            synchronize(self.device)
+        return time.perf_counter()
+
+
+def make_generator(device: torch.device | str, seed: int | None = None) -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` (where the tensors it feeds live), seeded if asked."""
+    gen = torch.Generator(device=torch.device(device))
+    if seed is not None:
+        gen.manual_seed(seed)
+    return gen
