@@ -1,9 +1,9 @@
 """The EAGLE drafter module: :class:`EagleDrafter`, one Llama-style decoder layer and its parts.
 
-The design (EAGLE-1 and EAGLE-3), the position alignment and the config
-(:class:`~draftsmith.heads.eagle.EagleConfig`) are in :mod:`draftsmith.heads.eagle`, beside
-building, saving and loading a drafter; drafting with one is
-:class:`~draftsmith.heads.eagle_proposer.EagleProposer`.
+The design (EAGLE-1 and EAGLE-3) and the position alignment are in :mod:`draftsmith.heads.eagle`,
+beside building, saving and loading a drafter; the config
+(:class:`~draftsmith.heads.eagle_config.EagleConfig`) is in :mod:`draftsmith.heads.eagle_config`;
+drafting with one is :class:`~draftsmith.heads.eagle_proposer.EagleProposer`.
 
 Parameter names follow vllm-project/speculators' Eagle3 layout and vLLM's EAGLE loaders, so an
 export is a rename-free copy:
@@ -44,7 +44,7 @@ from transformers.activations import ACT2FN
 from draftsmith.heads.base import Features
 
 if TYPE_CHECKING:
-    from draftsmith.heads.eagle import EagleConfig
+    from draftsmith.heads.eagle_config import EagleConfig
 
 __all__ = ["EagleCache", "EagleDrafter", "RMSNorm", "SharedTarget", "causal_mask"]
 

@@ -16,12 +16,12 @@ also exported, served and measured at 1, 4 and 16 requests in flight
 continues when the same command runs again: finished temperatures are kept and evaluate
 resumes after its last finished prompt.
 
-A thin layer over ``draftsmith evaluate`` (called through the CLI dispatch, as the quickstart
-does): one evaluate run per temperature (greedy, then sampled at 0.7 by default) with every
-``--drafter`` given, so all drafters share one plain-decoding baseline measured prompt by prompt
-between them, all on one ``--device`` (checked once, before the first run, and passed to every
-evaluate run; ``OUT.json`` records it). Flags the bench does not know are passed to evaluate as
-they are (``--target``, ``--prompts``, ``--split``, ``--limit``, ``--draft-dtype``,
+A thin layer over ``draftsmith evaluate`` (called through the CLI dispatch, which the CLI hands in,
+as the quickstart's stages are): one evaluate run per temperature (greedy, then sampled at 0.7 by
+default) with every ``--drafter`` given, so all drafters share one plain-decoding baseline measured
+prompt by prompt between them, all on one ``--device`` (checked once, before the first run, and
+passed to every evaluate run; ``OUT.json`` records it). Flags the bench does not know are passed to
+evaluate as they are (``--target``, ``--prompts``, ``--split``, ``--limit``, ``--draft-dtype``,
 ``--max-new-tokens``, ``--seed``, ``--draft-layers``, ``--tree-total-tokens``, ``--report-to
 wandb``, ...).
 
@@ -54,6 +54,7 @@ import gc
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,19 +299,24 @@ def _finished(raw: Path, argv: list[str]) -> bool:
     return all(same)
 
 
-def _call(argv: list[str]) -> int:
-    """``draftsmith ARGV`` in this process (the CLI dispatch, as the quickstart's stages)."""
-    from draftsmith.recipes import cli
-
+def _call(call: Callable[[list[str]], int], argv: list[str]) -> int:
+    """``draftsmith ARGV`` in this process, through ``call`` (the CLI's dispatch, as the
+    quickstart's stages)."""
     print(f"[bench] $ {shlex.join(['draftsmith', *argv])}", flush=True)
     try:
-        return cli.main(argv)
+        return call(argv)
     finally:
         gc.collect()  # each evaluate run loads its own target: free the last one first
 
 
-def run(cfg: BenchConfig) -> int:
-    """Run (or merge) the bench and write its outputs; the exit code of the worst run."""
+def run(cfg: BenchConfig, call: Callable[[list[str]], int]) -> int:
+    """Run (or merge) the bench and write its outputs; the exit code of the worst run.
+
+    Args:
+        cfg: the bench's settings.
+        call: runs ``draftsmith ARGV`` in this process and returns its exit code (the CLI's
+            dispatch, handed in by ``draftsmith bench``); every evaluate run goes through it.
+    """
     # A GPU that is not there fails now, in one line, before any evaluate run; a merge runs
     # nothing (each shard's JSON records its own device).
     device = None if cfg.merge else resolve_device(cfg.device)
@@ -329,7 +335,7 @@ def run(cfg: BenchConfig) -> int:
     training = [read_training_log(p) for p in cfg.training_logs or []]
     code = 0
     if cfg.merge:
-        runs, merged_from = _merge(cfg, stem), [str(p) for p in cfg.merge]
+        runs, merged_from = _merge(cfg, stem, call), [str(p) for p in cfg.merge]
     else:
         import torch
 
@@ -343,7 +349,7 @@ def run(cfg: BenchConfig) -> int:
                 print(f"[bench] temperature {t:g} already measured: {raw} (kept)", flush=True)
                 runs.append((t, raw, shlex.join(["draftsmith", *argv])))
                 continue
-            rc = _call(argv)
+            rc = _call(call, argv)
             if rc == 130:
                 print(
                     "bench interrupted; the finished prompts are kept: the same command continues",
@@ -388,7 +394,9 @@ def run(cfg: BenchConfig) -> int:
     return code if not cfg.merge else int(differs_from_plain(report))
 
 
-def _merge(cfg: BenchConfig, stem: Path) -> list[tuple[float, Path, str]]:
+def _merge(
+    cfg: BenchConfig, stem: Path, call: Callable[[list[str]], int]
+) -> list[tuple[float, Path, str]]:
     """Merge each temperature's evaluate results of the shard benches with evaluate --merge."""
     shards = []
     for path in cfg.merge or []:
@@ -414,7 +422,7 @@ def _merge(cfg: BenchConfig, stem: Path) -> list[tuple[float, Path, str]]:
             raise UsageError(f"merge: evaluate results {', '.join(missing)} not found")
         out = _raw_path(stem, t)
         argv = ["evaluate", "--merge", *map(str, raws), "--out", str(out)]
-        rc = _call(argv)
+        rc = _call(call, argv)
         if rc:
             raise UsageError(f"merge: evaluate --merge at temperature {t:g} failed (exit {rc})")
         runs.append((t, out, shlex.join(["draftsmith", *argv])))
@@ -501,10 +509,27 @@ def parse(argv: list[str]) -> BenchConfig:
     return cfg
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, call: Callable[[list[str]], int] | None = None) -> int:
     """CLI entry: 0 done, 1 a greedy output differed from plain decoding, 2 bad input, 3 stopped
-    by ``--max-minutes`` before the end (rerun to continue), 130 interrupted."""
-    return cli_main(lambda a: run(parse(a)), argv)
+    by ``--max-minutes`` before the end (rerun to continue), 130 interrupted.
+
+    Args:
+        argv: the flags after ``draftsmith bench`` (default: ``sys.argv[1:]``).
+        call: runs ``draftsmith ARGV`` in this process and returns its exit code: the CLI's
+            dispatch, which ``draftsmith bench`` hands in (this recipe never imports the CLI).
+            Without it the bench cannot run evaluate: after the flags are checked, a usage
+            error names ``draftsmith bench``.
+    """
+    return cli_main(lambda args: run(parse(args), _handed(call)), argv)
+
+
+def _handed(call: Callable[[list[str]], int] | None) -> Callable[[list[str]], int]:
+    """The dispatch :func:`main` was handed, or a usage error when it was handed none."""
+    if call is None:
+        raise UsageError(
+            "the bench runs evaluate as a draftsmith command: start it as `draftsmith bench ...`"
+        )
+    return call
 
 
 if __name__ == "__main__":

@@ -31,10 +31,14 @@ def _evaluate(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    """Every drafter against one plain baseline, greedy and sampled: tables, plots, best k."""
-    from draftsmith.recipes.bench import main
+    """Every drafter against one plain baseline, greedy and sampled: tables, plots, best k.
 
-    return main(argv)
+    The bench runs ``draftsmith evaluate`` through this dispatch (:func:`main`), handed to it
+    here: a recipe never imports this module.
+    """
+    from draftsmith.recipes.bench import main as bench
+
+    return bench(argv, call=main)
 
 
 def _export(argv: list[str]) -> int:
@@ -177,12 +181,12 @@ def _data(argv: list[str]) -> int:
 def _quickstart(argv: list[str]) -> int:
     """The main job on one target: prompts -> answers -> cache -> EAGLE-3 -> evaluate -> export.
 
-    Each stage is one of the commands below, called through this dispatch
-    (``draftsmith.recipes.quickstart``).
+    Each stage is one of the commands below, called through this dispatch (:func:`main`),
+    handed to ``draftsmith.recipes.quickstart`` here: a recipe never imports this module.
     """
-    from draftsmith.recipes.quickstart import main
+    from draftsmith.recipes.quickstart import main as quickstart
 
-    return main(argv)
+    return quickstart(argv, call=main)
 
 
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {

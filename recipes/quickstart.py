@@ -50,9 +50,10 @@ import math
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from draftsmith.train.config import cfg_field, config_to_dict, parse_config
 from draftsmith.train.device import (
@@ -106,7 +107,7 @@ REPORT = "eval.json"
 EXPORT = "export"
 PLOTS = "plots"
 OWNED = (
-    *(f"{p}{s}" for p in (PROMPTS, ANSWERS) for s in ("", ".meta", ".lock")),
+    *(f"{p}{s}" for p in (PROMPTS, ANSWERS) for s in ("", ".meta", ".lock", ".lock.pid")),
     TOKENIZED,
     CACHE,
     RUN,
@@ -225,24 +226,37 @@ class QuickstartConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _dispatch(argv: list[str]) -> int:
-    """``draftsmith ARGV`` in this process: each stage is a command of the CLI."""
-    from draftsmith.recipes import cli
-
-    return cli.main(argv)
+def _no_dispatch(argv: list[str]) -> NoReturn:
+    """Stands in for the CLI's dispatch when none was handed in (see :func:`main`)."""
+    raise UsageError(
+        "the quickstart runs each stage as a draftsmith command: start it as "
+        "`draftsmith quickstart ...`"
+    )
 
 
 class Quickstart(StageJob):
-    """One invocation of the job: builds each stage when it is reached, runs or skips it."""
+    """One invocation of the job: builds each stage when it is reached, runs or skips it.
 
-    def __init__(self, cfg: QuickstartConfig, argv: list[str]) -> None:
+    Args:
+        cfg: the job's settings.
+        argv: the job's command line (for the command that resumes it).
+        call: runs ``draftsmith ARGV`` in this process and returns its exit code: the CLI's
+            dispatch, handed in by ``draftsmith quickstart`` (see :func:`main`).
+    """
+
+    def __init__(
+        self,
+        cfg: QuickstartConfig,
+        argv: list[str],
+        call: Callable[[list[str]], int] = _no_dispatch,
+    ) -> None:
         # The command that resumes this job (without --overwrite: a rerun must not start over).
         resume_argv = [a for a in argv if a not in ("--overwrite", "--no-overwrite")]
         super().__init__(
             Path(cfg.out_dir),
             name="quickstart",
             command=shlex.join(["draftsmith", "quickstart", *resume_argv]),
-            call=_dispatch,
+            call=call,
             stage_names=STAGE_NAMES,
             state_file=STATE_FILE,
             state_format=STATE_FORMAT,
@@ -769,14 +783,24 @@ def _probe_line(probe: Probe) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI entry: 0 done, 2 bad settings or input, 1 a stage failed, 130 interrupted."""
-    return cli_main(_main, argv)
+def main(argv: list[str] | None = None, *, call: Callable[[list[str]], int] | None = None) -> int:
+    """CLI entry: 0 done, 2 bad settings or input, 1 a stage failed, 130 interrupted.
+
+    Args:
+        argv: the flags after ``draftsmith quickstart`` (default: ``sys.argv[1:]``).
+        call: runs ``draftsmith ARGV`` in this process and returns its exit code: the CLI's
+            dispatch, which ``draftsmith quickstart`` hands in (this recipe never imports the
+            CLI). Without it the job cannot run its stages: after the flags are checked, a
+            usage error names ``draftsmith quickstart``.
+    """
+    return cli_main(lambda args: _main(args, call), argv)
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], call: Callable[[list[str]], int] | None) -> int:
     cfg = parse_config(QuickstartConfig, argv, prog="draftsmith quickstart", description=__doc__)
-    return Quickstart(cfg, argv).run()
+    if call is None:
+        _no_dispatch(argv)
+    return Quickstart(cfg, argv, call).run()
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "$quick" = 1 ]; then  # the CPU rehearsal: every stage, a fraction of the work
-  train_minutes=0.5; eval_prompts=2; distill_prompts=8; max_new_tokens=24; answer_tokens=32
+  train_minutes=0.5; eval_prompts=2; distill_prompts=16; max_new_tokens=24; answer_tokens=32
 fi
 kind=${device%%:*}
 out=${out:-bench/gpu_check_${kind}.json}
@@ -99,7 +99,8 @@ run distill draftsmith data distill --input train/data/prompt_sets/chat_prompts.
 
 train_common=(--config recipes/configs/eagle3_smollm2.yaml --data "$work/distilled.jsonl" --split all
   --hidden-states online --target-dtype bf16 --mixed-precision bf16 --epochs 1000 --val-samples 4
-  --eval-every 0 --save-every 0 --no-resume --overwrite --no-progress "${target_flag[@]}"
+  --eval-every 0 --save-every 0 --no-resume --overwrite --no-progress --allow-little-data
+  "${target_flag[@]}"
   "${train_args[@]}")
 run train python recipes/eagle.py "${train_common[@]}" --device "$device" \
   --max-minutes "$train_minutes" --output-dir "$work/eagle3"
@@ -159,7 +160,7 @@ for name, file in (("eval_greedy", "greedy.json"), ("eval_t07", "t07.json")):
                 "speedup_vs_fastest_plain", "identical_to_target", "near_ties", "draft_share")
         stages[name].update({k: r.get(k) for k in keys if k in r})
         same = [p.get("identical_to_target") for p in r.get("per_prompt", [])]
-        if same and None not in same:  # greedy: the share of outputs equal to plain decoding's
+        if name == "eval_greedy" and same and None not in same:  # sampled runs differ by design
             stages[name]["identical_rate"] = sum(same) / len(same)
         stages[name]["device"] = r.get("machine", {}).get("device")
 ok = all(s["exit_code"] == 0 for s in stages.values())

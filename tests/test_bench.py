@@ -508,3 +508,22 @@ def test_serving_flags_are_checked(setup, tmp_path, capsys):
     assert "serve once, after merging" in capsys.readouterr().err
     assert cli([*argv, "--vllm-python", str(tmp_path / "nope" / "python")]) == 2
     assert "nope/python not found" in capsys.readouterr().err
+
+
+def test_evaluate_runs_through_the_dispatch_the_cli_hands_in(tmp_path, setup, capsys):
+    """The recipe never imports the CLI: ``draftsmith bench`` hands its dispatch in (every
+    evaluate run goes through it), and without one the bench stops on a usage error naming the
+    command, before it runs or writes anything."""
+    from draftsmith.recipes import bench
+
+    calls = []
+
+    def dispatch(argv: list[str]) -> int:
+        calls.append(argv)
+        return 130
+
+    assert bench.main([*setup["argv"], "--out", str(tmp_path / "a" / "b")], call=dispatch) == 130
+    assert [a[0] for a in calls] == ["evaluate"]
+    assert bench.main([*setup["argv"], "--out", str(tmp_path / "c" / "b")]) == 2
+    assert "`draftsmith bench ...`" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from draftsmith.heads.draft_lm import check_vocab_compatible, layer_pruned_copy
+from draftsmith.recipes.cli import main as cli
 from draftsmith.recipes.distill import DistillConfig, batch_logits, step_loss
 from draftsmith.train.config import ConfigError, load_config, parse_config
-from draftsmith.train.export.hf import export_hf, main_export_hf, save_draft
+from draftsmith.train.export.hf import export_hf, save_draft
 from draftsmith.train.objectives.distill import (
     cross_entropy,
     distill_loss,
@@ -334,12 +335,14 @@ def test_export_reloads_identically_and_drives_hf_assisted_generation(tmp_path):
         prompt, assistant_model=reloaded, do_sample=False, max_new_tokens=24, min_new_tokens=24
     )
     assert assisted.tolist() == plain.tolist()
-    # Refuses to clobber unless asked; the CLI reports it with exit code 2.
+    # Refuses to clobber unless asked; the CLI (`draftsmith export --format hf`) reports it with
+    # exit code 2.
     with pytest.raises(FileExistsError):
         export_hf(tmp_path / "run", out, tokenizer_src=target_dir)
-    argv = ["--src", str(tmp_path / "run"), "--out", str(out), "--tokenizer", str(target_dir)]
-    assert main_export_hf(argv) == 2
-    assert main_export_hf([*argv, "--overwrite"]) == 0
+    argv = ["export", "--format", "hf", "--checkpoint", str(tmp_path / "run"), "--out", str(out)]
+    argv += ["--tokenizer", str(target_dir)]
+    assert cli(argv) == 2
+    assert cli([*argv, "--overwrite"]) == 0
     assert torch.equal(AutoModelForCausalLM.from_pretrained(out)(ids).logits, draft(ids).logits)
 
 

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
+from draftsmith.recipes.cli import main as cli
 from draftsmith.train.data.vocab import draft_vocab
 from draftsmith.train.export import eagle as ex
+from draftsmith.train.export.command import export_target
 from draftsmith.train.export.eagle_card import INFO_FILE
 from draftsmith.train.export.eagle_config import export_format
 from tests.conftest import tiny_llama
@@ -304,38 +306,39 @@ def test_load_export_refuses_unknown_variants(tmp_path, tiny_target):
 
 
 def test_cli(tmp_path, tiny_target, capsys):
+    """The EAGLE formats through the one export command, ``draftsmith export``."""
     src = _save(tmp_path, _drafter(tiny_target, 1))
-    assert (
-        ex.main_export_eagle(
-            ["--format", "eagle", "--src", str(src), "--out", str(tmp_path / "e1")]
-        )
-        == 0
-    )
+    argv = ["export", "--format", "eagle", "--checkpoint", str(src), "--out", str(tmp_path / "e1")]
+    assert cli(argv) == 0
     assert (tmp_path / "e1" / "README.md").is_file()
     # Exists already, no --overwrite: a clear error, exit 2.
-    assert (
-        ex.main_export_eagle(
-            ["--format", "eagle", "--src", str(src), "--out", str(tmp_path / "e1")]
-        )
-        == 2
-    )
+    assert cli(argv) == 2
     assert "exists" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # speculators needs --verifier
-        ex.main_export_eagle(["--format", "speculators", "--src", str(src), "--out", "x"])
-    # --checkpoint is the recipe docstring's name for --src.
+    # Without --target the speculators verifier is never missing: the target the training run
+    # recorded, else the default target, as describe_target names it.
     src3 = _save(tmp_path, _drafter(tiny_target, 3), name="src3")
+    out = tmp_path / "s_default"
+    assert (
+        cli(["export", "--format", "speculators", "--checkpoint", str(src3), "--out", str(out)])
+        == 0
+    )
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == export_target(None, src3)
+    # --target and --speculative-tokens reach the speculators config.
     args = [
+        "export",
         "--format",
         "speculators",
         "--checkpoint",
         str(src3),
         "--out",
         str(tmp_path / "s"),
-        "--verifier",
+        "--target",
         "org/t",
-        "--k",
+        "--speculative-tokens",
         "4",
     ]
-    assert ex.main_export_eagle(args) == 0
+    assert cli(args) == 0
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/t"

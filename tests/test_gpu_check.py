@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # The tiny target's byte tokenizer makes a token of every byte: a chat prompt is ~300 tokens.
 TINY_TRAIN = ["--draft-vocab-size", "64", "--max-length", "512", "--batch-size", "2"]
-TINY_TRAIN += ["--grad-accum", "1", "--threads", "1", "--allow-little-data"]
+TINY_TRAIN += ["--grad-accum", "1", "--threads", "1"]
 
 
 def _run(args: list[str], tmp_path: Path, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:

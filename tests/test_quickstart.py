@@ -334,35 +334,52 @@ def test_default_plan_fits_the_budget():
     assert plan.estimates["train"] >= 5 * 60 and plan.estimates["distill"] <= 9 * 60
 
 
-def test_ctrl_c_keeps_the_stage_resumable(tmp_path, monkeypatch, capsys, job):
-    from draftsmith.recipes import cli as cli_module
+def test_ctrl_c_keeps_the_stage_resumable(tmp_path, capsys, job):
     from draftsmith.recipes import quickstart
 
     def interrupted(argv):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli_module, "main", interrupted)
     out = tmp_path / "out"
-    code = quickstart.main(["--target", str(job.target), "--out-dir", str(out), *SMALL])
+    argv = ["--target", str(job.target), "--out-dir", str(out), *SMALL]
+    code = quickstart.main(argv, call=interrupted)  # the dispatch the CLI hands in
     assert code == 130
     assert state(out)["stages"]["prepare"]["status"] == "interrupted"
     assert "resumes: draftsmith quickstart --target" in capsys.readouterr().err
 
 
-def test_a_command_that_catches_ctrl_c_itself_marks_the_stage_interrupted(
-    tmp_path, monkeypatch, capsys, job
-):
+def test_a_command_that_catches_ctrl_c_itself_marks_the_stage_interrupted(tmp_path, capsys, job):
     """evaluate catches Ctrl-C/SIGTERM, keeps its finished prompts and exits 130: the stage is
     interrupted (resumable), not failed."""
-    from draftsmith.recipes import cli as cli_module
     from draftsmith.recipes import quickstart
 
-    monkeypatch.setattr(cli_module, "main", lambda argv: 130)
     out = tmp_path / "out"
-    code = quickstart.main(["--target", str(job.target), "--out-dir", str(out), *SMALL])
+    argv = ["--target", str(job.target), "--out-dir", str(out), *SMALL]
+    code = quickstart.main(argv, call=lambda argv: 130)
     assert code == 130
     assert state(out)["stages"]["prepare"]["status"] == "interrupted"
     assert "failed" not in capsys.readouterr().err
+
+
+def test_the_stages_run_through_the_dispatch_the_cli_hands_in(tmp_path, capsys, job):
+    """The recipe never imports the CLI: ``draftsmith quickstart`` hands its dispatch in, and
+    without one the job stops on a usage error naming the command, before writing anything."""
+    from draftsmith.recipes import quickstart
+
+    def argv(out):
+        return ["--target", str(job.target), "--out-dir", str(out), *SMALL]
+
+    calls = []
+
+    def dispatch(argv):
+        calls.append(argv)
+        return 130
+
+    assert quickstart.main(argv(tmp_path / "out"), call=dispatch) == 130
+    assert calls and calls[0][0] == "prepare-target"
+    assert quickstart.main(argv(tmp_path / "other")) == 2
+    assert "`draftsmith quickstart ...`" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
 
 
 def test_more_prompts_extend_the_data_and_retrain(job):

@@ -22,11 +22,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from draftsmith.train.errors import UsageError
 
@@ -200,9 +203,7 @@ def output_lock(path: str | Path, what: str) -> OutputLock:
     from draftsmith.train.safety import OutputLock
 
     path = Path(path)
-    lock = OutputLock(path, what=what)
-    lock.lock_path = path.with_name(path.name + ".lock")
-    return lock
+    return OutputLock(path, what=what, lock_path=path.with_name(path.name + ".lock"))
 
 
 def _stage_prefix(out: Path, kind: str) -> str:
@@ -328,7 +329,7 @@ def machine_load(own_load: float | None = None, sibling_load: float = 0.0) -> di
     cores = os.cpu_count() or 1
     torch = sys.modules.get("torch")
     threads = min(torch.get_num_threads() if torch is not None else 1, cores)
-    if own_load is None:  # without /proc: as if every torch thread had run all minute
+    if own_load is None:  # unreadable: as if every torch thread had run all minute
         own_load = process_load_share()
         own_load = float(threads) if own_load is None else own_load
     beyond = max(0.0, load[0] - own_load)
@@ -374,7 +375,7 @@ def _snapshot_busy(snap: dict[str, Any], siblings: float) -> bool:
 
 
 def process_load_share() -> float | None:
-    """This process's share of the 1-min load average, estimated from ``/proc/self/stat``.
+    """This process's share of the 1-min load average, estimated from its CPU time and age.
 
     The kernel's 1-min load average weights what ran ``s`` seconds ago by ``exp(-s/60)``; a
     process that used ``r`` cores on average over its age ``T`` adds about
@@ -382,27 +383,27 @@ def process_load_share() -> float | None:
     the minute before it is other work's), one that has used two cores for minutes for ~2.
 
     Returns:
-        The estimate, or None where there is no ``/proc``.
+        The estimate, or None where psutil cannot read this process.
     """
     try:
-        stat = Path("/proc/self/stat").read_text()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError):
+        proc = psutil.Process()
+        with proc.oneshot():
+            times, started = proc.cpu_times(), proc.create_time()
+    except (psutil.Error, OSError):
         return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # fields from the 3rd (state) on
-    hz = os.sysconf("SC_CLK_TCK")
-    cpu_s = (int(fields[11]) + int(fields[12])) / hz  # utime + stime, all threads
-    age = max(uptime - int(fields[19]) / hz, 1e-3)  # starttime: ticks after boot
+    cpu_s = times.user + times.system  # all threads
+    age = max(time.time() - started, 1e-3)
     return cpu_s / age * (1.0 - math.exp(-age / 60.0))
 
 
 def busy_processes(
     top: int = 5, window_s: float = 0.25, min_cores: float = 0.05
 ) -> list[dict[str, Any]]:
-    """The processes other than this one using the most CPU now, read from ``/proc``.
+    """The processes other than this one using the most CPU now (psutil).
 
-    Two reads of every ``/proc/<pid>/stat`` ``window_s`` apart give each process's CPU time in
-    that window (all its threads), in cores (1.0 = one core kept busy).
+    Two reads of every process's CPU time ``window_s`` apart give its CPU time in that window
+    (all its threads), in cores (1.0 = one core kept busy). Processes psutil may not read
+    (another user's, on some platforms) are left out.
 
     Args:
         top: at most this many processes, busiest first.
@@ -410,47 +411,35 @@ def busy_processes(
         min_cores: leave out processes below this.
 
     Returns:
-        ``[{"pid", "name", "cores", "command"}]`` (``command`` cut to 120 characters); empty
-        where there is no ``/proc``.
+        ``[{"pid", "name", "cores", "command"}]`` (``command`` cut to 120 characters).
     """
-    import time
 
-    def cpu_ticks() -> dict[int, tuple[str, int]]:
-        ticks = {}
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            try:
-                text = Path(entry.path, "stat").read_text()
-            except OSError:  # the process ended
-                continue
-            # "pid (comm) state ... utime stime ...": comm may hold spaces and parentheses.
-            name = text[text.find("(") + 1 : text.rfind(")")]
-            fields = text[text.rfind(")") + 2 :].split()
-            ticks[int(entry.name)] = (name, int(fields[11]) + int(fields[12]))
-        return ticks
+    def cpu_seconds() -> dict[int, tuple[psutil.Process, float]]:
+        seen = {}
+        for proc in psutil.process_iter(["name", "cpu_times"]):
+            times = proc.info["cpu_times"]  # None when access is denied
+            if proc.pid != os.getpid() and times is not None:
+                seen[proc.pid] = (proc, times.user + times.system)
+        return seen
 
-    if not Path("/proc/self/stat").exists():
-        return []
-    first = cpu_ticks()
+    first = cpu_seconds()
     start = time.monotonic()
     time.sleep(window_s)
-    second = cpu_ticks()
+    second = cpu_seconds()
     elapsed = time.monotonic() - start
-    hz = os.sysconf("SC_CLK_TCK")
     usage = []
-    for pid, (name, ticks) in second.items():
+    for pid, (proc, cpu_s) in second.items():
         if pid in first:
-            cores = (ticks - first[pid][1]) / hz / elapsed
+            cores = (cpu_s - first[pid][1]) / elapsed
             if cores >= min_cores:
-                usage.append((cores, pid, name))
+                usage.append((cores, pid, proc))
     busiest = []
-    for cores, pid, name in sorted(usage, reverse=True)[:top]:
+    for cores, pid, proc in sorted(usage, key=lambda u: (u[0], u[1]), reverse=True)[:top]:
+        name = proc.info["name"] or str(pid)
         try:
-            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            raw = b""
-        command = raw.replace(b"\0", b" ").decode(errors="replace").strip() or name
+            command = " ".join(proc.cmdline()).strip() or name
+        except psutil.Error:  # ended, or not ours to read
+            command = name
         busiest.append(
             {"pid": pid, "name": name, "cores": round(cores, 2), "command": command[:120]}
         )

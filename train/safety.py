@@ -8,8 +8,8 @@ same one-line message everywhere:
 - :func:`disk_full` to recognise a write that failed for lack of space anyway (torch's
   ``inline_container.cc`` enforce, safetensors' ``SafetensorError``, plain ``ENOSPC``) and
   :class:`DiskSpaceError` to report it ("no space left on <path>: need ~X, have Y");
-- :class:`OutputLock` so a second process writing the same output is refused, naming the PID
-  that holds it;
+- :class:`OutputLock` (a ``filelock`` lock) so a second process writing the same output is
+  refused, naming the PID that holds it, or waits for it;
 - :func:`make_readable` so exported directories can be read by a serving process running under
   another user (0755 directories, 0644 files).
 
@@ -26,10 +26,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 __all__ = [
     "DiskSpaceError",
@@ -126,64 +130,99 @@ def disk_full(exc: BaseException) -> bool:
 
 
 class OutputLock:
-    """An exclusive, advisory lock on an output (a directory or a file) for one writer process.
+    """An exclusive lock on an output (a directory or a file) for one writer process.
 
-    The lock is ``fcntl.flock`` on ``<dir>/.draftsmith.lock`` (for a directory) or
-    ``<file>.lock`` (for a file), holding the owner's PID. The kernel drops it when the process
-    dies, so a killed run never leaves a stale lock; the file itself is left behind, harmless.
+    A :class:`filelock.FileLock` (``flock`` on POSIX) on ``<dir>/.draftsmith.lock`` (for a
+    directory) or ``<file>.lock`` (for a file). The OS drops it when the process dies, so a
+    killed run never leaves a stale lock. The holder writes its PID beside it, in
+    ``<lock>.pid`` (filelock may empty the lock file itself), so a refused writer can name it;
+    release removes it, and the next holder rewrites one a killed holder left. Once acquired,
+    the lock is held until :meth:`release` or the end of the process, even if this object is
+    dropped.
 
     Args:
         path: the output directory or file.
         what: words for the error ("training run", "distill output", ...).
+        lock_path: the lock file, instead of the default above.
+        on_wait: wait for the holder instead of refusing: called with the holder's PID
+            (``"unknown"`` when it left none) before the wait.
 
     Raises:
-        OutputLockedError: on ``acquire`` when another process holds it.
+        OutputLockedError: on ``acquire`` when another process (or another lock in this
+            process) holds it and ``on_wait`` is None.
     """
 
-    def __init__(self, path: str | Path, what: str = "output"):
+    def __init__(
+        self,
+        path: str | Path,
+        what: str = "output",
+        *,
+        lock_path: str | Path | None = None,
+        on_wait: Callable[[str], object] | None = None,
+    ):
         self.path = Path(path)
         self.what = what
-        self.lock_path = (
-            self.path / LOCK_NAME
-            if self.path.is_dir() or not self.path.suffix
-            else self.path.with_name(self.path.name + ".lock")
-        )
-        self._fd: int | None = None
+        if lock_path is not None:
+            self.lock_path = Path(lock_path)
+        elif self.path.is_dir() or not self.path.suffix:
+            self.lock_path = self.path / LOCK_NAME
+        else:
+            self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self.on_wait = on_wait
+        self._lock: FileLock | None = None
+
+    @property
+    def pid_path(self) -> Path:
+        """Where the holder writes its PID: ``<lock>.pid``."""
+        return self.lock_path.with_name(self.lock_path.name + ".pid")
+
+    def holder(self) -> str:
+        """The PID the holder wrote, or ``"unknown"``."""
+        try:
+            return self.pid_path.read_text().strip() or "unknown"
+        except OSError:
+            return "unknown"
 
     def acquire(self) -> OutputLock:
-        import fcntl
-
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        lock = FileLock(self.lock_path, thread_local=False)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise OutputLockedError(
-                f"{self.path} is in use by another {self.what} (PID {holder}); wait for it to "
-                "finish or stop it, or choose another output"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+            lock.acquire(timeout=0)
+        except Timeout:
+            if self.on_wait is None:
+                raise OutputLockedError(
+                    f"{self.path} is in use by another {self.what} (PID {self.holder()}); wait "
+                    "for it to finish or stop it, or choose another output"
+                ) from None
+            self.on_wait(self.holder())
+            lock.acquire()
+        try:
+            self.pid_path.write_text(f"{os.getpid()}\n")
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
+        _HELD.add(self)
         return self
 
     def release(self) -> None:
-        if self._fd is not None:
-            import fcntl
-
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
+        lock, self._lock = self._lock, None
+        if lock is None:
+            return
+        _HELD.discard(self)
+        with contextlib.suppress(OSError):  # while held: never the next holder's
+            self.pid_path.unlink(missing_ok=True)
+        lock.release()
 
     def __enter__(self) -> OutputLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+#: The acquired locks: a dropped FileLock releases itself, an OutputLock holds until released.
+_HELD: set[OutputLock] = set()
 
 
 def make_readable(path: str | Path) -> None:

@@ -18,7 +18,7 @@ Formats (each a plain weight-name mapping; see the modules for the exact keys):
 * ``medusa-vllm`` -- Medusa heads in vLLM's layout (``blocks.*``, ``lm_heads.*``).
 * ``medusa`` -- Medusa heads in FasterDecoding/Medusa's layout (``medusa_lm_head.safetensors``).
 * ``hf`` -- a distilled draft LM as a ``save_pretrained`` directory (HF assisted generation,
-  vLLM draft models).
+  vLLM draft models); ``--tokenizer DIR`` when the draft was saved without its tokenizer.
 
 Every export is written to a temporary directory beside ``--out`` and renamed into place, so a
 failed export never leaves a half-written model (temp dirs of killed exports are removed by the
@@ -27,7 +27,9 @@ a README model card. Tensors holding NaN or inf are refused (exit 1, the tensors
 free space is checked against the export's size first.
 
 Errors: exit 2 for a bad checkpoint, format or flag (:class:`ExportError`), exit 1 when the export
-cannot be written (non-finite weights, disk full).
+cannot be written (non-finite weights, disk full). The errors and the helpers every format
+shares are in :mod:`draftsmith.train.export.common`, which the format modules import; this
+module only dispatches to them.
 
 Self-checks: the ``hf`` export reloads the written model and compares its logits with the
 source's, bit for bit, on ``--device`` (``auto``: the first GPU when there is one, else the CPU).
@@ -48,66 +50,27 @@ another machine finds it; the default SmolLM2 (a dequantized GGUF) as its local 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from draftsmith.train.config import cfg_field, parse_config
 from draftsmith.train.device import DEVICE_HELP, device_problem, resolve_device
-from draftsmith.train.errors import RunError, UsageError, cli_main
+from draftsmith.train.errors import cli_main
+from draftsmith.train.export.common import ExportError, MissingCheckpointError, NonFiniteError
 
-if TYPE_CHECKING:
-    import torch
+__all__ = [
+    "FORMATS",
+    "ExportConfig",
+    "ExportError",
+    "MissingCheckpointError",
+    "NonFiniteError",
+    "export",
+    "export_target",
+    "main",
+    "recorded_target",
+]
 
 FORMATS = ("speculators", "eagle3", "eagle", "medusa-vllm", "medusa", "hf")
-
-
-class ExportError(UsageError):
-    """The checkpoint cannot be exported as asked: missing, inconsistent, or the wrong kind."""
-
-
-class MissingCheckpointError(ExportError, FileNotFoundError):
-    """The checkpoint, or a file it needs (weights, config, tokenizer), is not there.
-
-    Still a FileNotFoundError, as these errors were before they became usage errors.
-    """
-
-
-class NonFiniteError(RunError):
-    """Weights hold NaN or inf; the message names each such tensor."""
-
-
-def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
-    """Refuse tensors holding NaN or inf, naming them (a diverged run must not be served).
-
-    Args:
-        tensors: name -> tensor, as they will be written (after any dtype cast: a cast to
-            fp16 can overflow finite fp32 weights to inf).
-        where: the source, for the message.
-
-    Raises:
-        NonFiniteError: naming every non-finite tensor with its NaN and inf counts.
-    """
-    import torch
-
-    bad = []
-    for name, t in tensors.items():
-        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
-            continue
-        nan = int(torch.isnan(t).sum())
-        bad.append(f"{name} ({nan} NaN, {t.numel() - nan - int(torch.isfinite(t).sum())} inf)")
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteError(
-            f"{where}: non-finite weights in {shown}; the run diverged (or the dtype cast "
-            "overflowed) -- export an earlier checkpoint, or retrain with a lower learning rate"
-        )
-
-
-def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    """Bytes the tensors take on disk (payload only), for a free-space estimate."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @dataclass
@@ -125,6 +88,11 @@ class ExportConfig:
         help="the target (verifier) recorded in the export: a Hub id (kept as given), a local "
         "dir or .gguf; default: the target the training run recorded, else the local "
         "SmolLM2-135M-Instruct the recipes train on",
+    )
+    tokenizer: str | None = cfg_field(
+        None,
+        help="hf: where the export takes the tokenizer from (default: the checkpoint); the "
+        "target's directory when the draft was saved without one",
     )
     speculative_tokens: int = cfg_field(3, help="EAGLE: draft tokens per step to advertise")
     dtype: str | None = cfg_field(
@@ -151,6 +119,8 @@ class ExportConfig:
             problems.append(("speculative_tokens", f"must be >= 1, got {self.speculative_tokens}"))
         if self.metrics_json is not None and not Path(self.metrics_json).is_file():
             problems.append(("metrics_json", f"{self.metrics_json} is not a file"))
+        if self.tokenizer is not None and self.format != "hf":
+            problems.append(("tokenizer", f"only the hf export takes one, not {self.format}"))
         return problems
 
 
@@ -164,24 +134,17 @@ def export(cfg: ExportConfig) -> Path:
     )
     target = export_target(cfg.target, Path(cfg.checkpoint))
     if cfg.format in ("speculators", "eagle3", "eagle"):
-        from draftsmith.train.export import eagle as export_eagle
+        from draftsmith.train.export.eagle import export_drafter
 
-        common = dict(
+        return export_drafter(
+            cfg.format,
+            cfg.checkpoint,
+            cfg.out,
+            target_name_or_path=target,
             speculative_tokens=cfg.speculative_tokens,
             dtype=dtype,
             metrics_json=cfg.metrics_json,
             overwrite=cfg.overwrite,
-        )
-        if cfg.format == "speculators":
-            return export_eagle.export_speculators(
-                cfg.checkpoint, cfg.out, verifier_name_or_path=target, **common
-            )
-        if cfg.format == "eagle3":
-            return export_eagle.export_eagle3(
-                cfg.checkpoint, cfg.out, target_name_or_path=target, **common
-            )
-        return export_eagle.export_eagle(
-            cfg.checkpoint, cfg.out, target_name_or_path=target, **common
         )
     _refuse_existing(cfg)
     if cfg.format == "medusa-vllm":
@@ -201,6 +164,7 @@ def export(cfg: ExportConfig) -> Path:
     return export_hf(
         cfg.checkpoint,
         cfg.out,
+        tokenizer_src=cfg.tokenizer,
         overwrite=cfg.overwrite,
         target_name_or_path=target,
         device=device,
@@ -261,33 +225,6 @@ def recorded_target(checkpoint: Path) -> tuple[str | None, str | None]:
         if recorded:
             return str(recorded), None
     return None, None
-
-
-def target_facts(name: str | None) -> dict[str, str]:
-    """:func:`~draftsmith.train.target.load.describe_target` of an exporter's target name.
-
-    Exporters call it on the name they are given (idempotent: a name it returned maps to
-    itself), so library calls name targets as the CLI does. ``{}`` for None.
-    """
-    if not name:
-        return {}
-    from draftsmith.train.target.load import describe_target
-
-    return describe_target(name)
-
-
-def target_card_lines(facts: dict[str, str]) -> list[str]:
-    """Model-card paragraph on a target that is not the original model's weights (or none)."""
-    if not facts.get("target_note"):
-        return []
-    original = facts.get("original_model")
-    also = (
-        f" The original model is `{original}` on the Hugging Face Hub; a server may load it "
-        "instead, but every figure here was measured against the dequantized weights."
-        if original
-        else ""
-    )
-    return ["", f"**Note on the target:** {facts['target_note']}.{also}"]
 
 
 def main(argv: list[str] | None = None) -> int:

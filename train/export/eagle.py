@@ -52,19 +52,16 @@ with NaN or inf are refused. :func:`load_export` maps an export back to an
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.heads.eagle import EagleConfig
+from draftsmith.heads.eagle_config import EagleConfig
 from draftsmith.heads.eagle_model import EagleDrafter
-from draftsmith.train.config import HelpFormatter
-from draftsmith.train.errors import RunError, cli_main
-from draftsmith.train.export.command import (
+from draftsmith.train.errors import RunError
+from draftsmith.train.export.common import (
     ExportError,
     MissingCheckpointError,
     check_finite,
@@ -86,11 +83,11 @@ from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
     "FORMATS",
+    "export_drafter",
     "export_eagle",
     "export_eagle3",
     "export_speculators",
     "load_export",
-    "main_export_eagle",
 ]
 
 FORMATS = ("speculators", "eagle3", "eagle")
@@ -233,21 +230,88 @@ def _resolve_dtype(dtype: torch.dtype | str | None, state: dict[str, torch.Tenso
     return dtype
 
 
-def _export(
+#: Per format: the EAGLE version it holds, and the export to use for the other version.
+_HOLDS = {
+    "speculators": (3, "export_eagle"),
+    "eagle3": (3, "export_eagle"),
+    "eagle": (1, "export_speculators"),
+}
+
+
+def _config(
+    fmt: str, cfg: EagleConfig, dtype: torch.dtype, target: str | None, arch: list[str], k: int
+) -> dict[str, Any]:
+    """The ``config.json`` of ``fmt`` (:mod:`~draftsmith.train.export.eagle_config`)."""
+    version, other = _HOLDS[fmt]
+    if cfg.version != version:
+        raise ExportError(f"the {fmt} format holds EAGLE-{version} drafters; use {other}")
+    if fmt == "speculators":
+        return speculators_config(cfg, dtype, target, arch, k)
+    return eagle3_config(cfg, dtype) if fmt == "eagle3" else eagle1_config(cfg, dtype)
+
+
+def export_drafter(
     fmt: str,
     src_dir: str | Path,
     out_dir: str | Path,
     *,
-    make_config,
-    target_name: str | None,
-    speculative_tokens: int,
-    dtype: torch.dtype | str | None,
-    metrics_json: str | Path | None,
-    overwrite: bool,
+    target_name_or_path: str | None = None,
+    verifier_architectures: list[str] | None = None,
+    speculative_tokens: int = 3,
+    dtype: torch.dtype | str | None = None,
+    metrics_json: str | Path | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Shared body of the three exports: read, rename, write to a temp dir, check, rename."""
+    """Export a saved drafter in one of :data:`FORMATS`: read, rename, write to a temp dir, check,
+    rename (what ``draftsmith export`` calls; :func:`export_speculators`, :func:`export_eagle3`
+    and :func:`export_eagle` name the format for you).
+
+    Args:
+        fmt: ``speculators`` (EAGLE-3, vLLM), ``eagle3`` (EAGLE-3, SGLang) or ``eagle``
+            (EAGLE-1, vLLM).
+        src_dir: a drafter saved by ``save_drafter`` (or the recipe's output_dir holding
+            ``drafter/``).
+        out_dir: destination directory; written atomically.
+        target_name_or_path: the target. ``speculators`` needs it: the verifier as vLLM should
+            load it (HF id or path); ``vllm serve <out_dir>`` starts this model. The other
+            formats name it in the model card's usage lines only (SGLang and vLLM take the
+            target on their command line). Recorded as
+            :func:`~draftsmith.train.target.load.describe_target` names it: a Hub cache
+            snapshot directory becomes its Hub id.
+        verifier_architectures: ``speculators``: the target's architectures (default: read
+            from a local verifier directory or the Hub cache, else ``["LlamaForCausalLM"]``).
+        speculative_tokens: k, vLLM's ``num_speculative_tokens`` when served from the
+            speculators config; the draft steps the model card suggests.
+        dtype: weight dtype of the export (default: as saved); ``d2t``/``t2d`` keep theirs.
+        metrics_json: an evaluation results file for the model card's τ (default: searched
+            beside the drafter).
+        overwrite: replace an existing ``out_dir``.
+
+    Returns:
+        ``out_dir`` as a Path.
+
+    Raises:
+        MissingCheckpointError: no saved drafter at ``src_dir`` (a FileNotFoundError).
+        ExportError: the drafter is the other EAGLE version than the format holds, or is
+            inconsistent (a ValueError); ``eagle3`` also refuses ``norm_before_residual=True``
+            (SGLang's EAGLE-3 layer cannot express it).
+        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
+        NonFiniteError: a tensor holds NaN or inf (after the dtype cast).
+        DiskSpaceError: the export does not fit on the disk.
+    """
     from safetensors.torch import load_file, save_file
 
+    if fmt not in _HOLDS:
+        raise ExportError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    arch: list[str] = []
+    if fmt == "speculators":
+        if not target_name_or_path:
+            raise ExportError("the speculators format needs the verifier (the target)")
+        if speculative_tokens < 1:
+            raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+        # Read from the directory as given, before it is renamed to a Hub id.
+        arch = verifier_architectures or verifier_architectures_of(target_name_or_path)
+        target_name_or_path = target_facts(target_name_or_path)["target"]
     src = _source_dir(src_dir)
     cfg, state = _read_drafter(src)
     out = Path(out_dir)
@@ -256,10 +320,10 @@ def _export(
 
         raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     want = _resolve_dtype(dtype, state)
-    config = make_config(cfg, want)
+    config = _config(fmt, cfg, want, target_name_or_path, arch, speculative_tokens)
     # The target as a server elsewhere finds it (a Hub id, not this machine's cache path), and
     # a note when its weights are not the original model's (the default's dequantized GGUF).
-    facts = target_facts(target_name)
+    facts = target_facts(target_name_or_path)
     info = {**provenance(src, metrics_json), **facts}
     target = facts.get("target") or (info.get("training") or {}).get("target") or "the target model"
 
@@ -296,148 +360,35 @@ def _export(
 
 
 def export_speculators(
-    src_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    verifier_name_or_path: str,
-    verifier_architectures: list[str] | None = None,
-    speculative_tokens: int = 3,
-    dtype: torch.dtype | str | None = None,
-    metrics_json: str | Path | None = None,
-    overwrite: bool = False,
+    src_dir: str | Path, out_dir: str | Path, *, verifier_name_or_path: str, **options: Any
 ) -> Path:
     """Export an EAGLE-3 drafter in vllm-project/speculators' format (what vLLM loads).
 
-    Args:
-        src_dir: a drafter saved by ``save_drafter`` (or the recipe's output_dir holding
-            ``drafter/``).
-        out_dir: destination directory; written atomically.
-        verifier_name_or_path: the target as vLLM should load it (HF id or path); ``vllm serve
-            <out_dir>`` starts this model. Recorded as
-            :func:`~draftsmith.train.target.load.describe_target` names it: a Hub cache
-            snapshot directory becomes its Hub id.
-        verifier_architectures: the target's architectures (default: read from a local
-            verifier directory or the Hub cache, else ``["LlamaForCausalLM"]``).
-        speculative_tokens: k, vLLM's ``num_speculative_tokens`` when served from the config.
-        dtype: weight dtype of the export (default: as saved); ``d2t``/``t2d`` keep theirs.
-        metrics_json: an evaluation results file for the model card's τ (default: searched
-            beside the drafter).
-        overwrite: replace an existing ``out_dir``.
-
-    Returns:
-        ``out_dir`` as a Path.
-
-    Raises:
-        MissingCheckpointError: no saved drafter at ``src_dir`` (a FileNotFoundError).
-        ExportError: the drafter is EAGLE-1 (use :func:`export_eagle`) or inconsistent (a
-            ValueError).
-        OutputExistsError: ``out_dir`` exists and ``overwrite`` is False (a FileExistsError).
-        NonFiniteError: a tensor holds NaN or inf (after the dtype cast).
-        DiskSpaceError: the export does not fit on the disk.
+    ``verifier_name_or_path`` is the target as vLLM should load it; ``options`` are
+    :func:`export_drafter`'s (``verifier_architectures``, ``speculative_tokens``, ``dtype``,
+    ``metrics_json``, ``overwrite``). Refuses an EAGLE-1 drafter (use :func:`export_eagle`).
     """
-    if speculative_tokens < 1:
-        raise ExportError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
-    # Read from the directory as given, before it is renamed to a Hub id.
-    verifier_architectures = verifier_architectures or verifier_architectures_of(
-        verifier_name_or_path
-    )
-    verifier_name_or_path = target_facts(verifier_name_or_path)["target"]
-
-    def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
-        if cfg.version != 3:
-            raise ExportError("the speculators format holds EAGLE-3 drafters; use export_eagle")
-        return speculators_config(
-            cfg, dtype_, verifier_name_or_path, verifier_architectures, speculative_tokens
-        )
-
-    return _export(
-        "speculators",
-        src_dir,
-        out_dir,
-        make_config=make,
-        target_name=verifier_name_or_path,
-        speculative_tokens=speculative_tokens,
-        dtype=dtype,
-        metrics_json=metrics_json,
-        overwrite=overwrite,
+    return export_drafter(
+        "speculators", src_dir, out_dir, target_name_or_path=verifier_name_or_path, **options
     )
 
 
-def export_eagle3(
-    src_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    target_name_or_path: str | None = None,
-    speculative_tokens: int = 3,
-    dtype: torch.dtype | str | None = None,
-    metrics_json: str | Path | None = None,
-    overwrite: bool = False,
-) -> Path:
+def export_eagle3(src_dir: str | Path, out_dir: str | Path, **options: Any) -> Path:
     """Export an EAGLE-3 drafter in SGLang's / the original EAGLE-3 layout (``midlayer.*``).
 
-    Args:
-        src_dir, out_dir, dtype, metrics_json, overwrite: as :func:`export_speculators`.
-        target_name_or_path: the target, for the model card's usage lines (not in the config:
-            SGLang takes the target on its command line).
-        speculative_tokens: draft steps suggested in the model card.
-
-    Raises:
-        ExportError: the drafter is EAGLE-1, or uses ``norm_before_residual=True`` (SGLang's
-            EAGLE-3 layer cannot express it).
+    ``options`` are :func:`export_drafter`'s. Refuses an EAGLE-1 drafter, and one that uses
+    ``norm_before_residual=True`` (SGLang's EAGLE-3 layer cannot express it).
     """
-
-    def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
-        if cfg.version != 3:
-            raise ExportError("the eagle3 format holds EAGLE-3 drafters; use export_eagle")
-        return eagle3_config(cfg, dtype_)
-
-    return _export(
-        "eagle3",
-        src_dir,
-        out_dir,
-        make_config=make,
-        target_name=target_name_or_path,
-        speculative_tokens=speculative_tokens,
-        dtype=dtype,
-        metrics_json=metrics_json,
-        overwrite=overwrite,
-    )
+    return export_drafter("eagle3", src_dir, out_dir, **options)
 
 
-def export_eagle(
-    src_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    target_name_or_path: str | None = None,
-    speculative_tokens: int = 3,
-    dtype: torch.dtype | str | None = None,
-    metrics_json: str | Path | None = None,
-    overwrite: bool = False,
-) -> Path:
+def export_eagle(src_dir: str | Path, out_dir: str | Path, **options: Any) -> Path:
     """Export an EAGLE-1 drafter in vLLM's ``eagle`` layout (``EagleLlamaForCausalLM``).
 
-    Args: as :func:`export_eagle3`.
-
-    Raises:
-        ExportError: the drafter is EAGLE-3 (use :func:`export_speculators`).
+    ``options`` are :func:`export_drafter`'s. Refuses an EAGLE-3 drafter (use
+    :func:`export_speculators`).
     """
-
-    def make(cfg: EagleConfig, dtype_: torch.dtype) -> dict[str, Any]:
-        if cfg.version != 1:
-            raise ExportError("the eagle format holds EAGLE-1 drafters; use export_speculators")
-        return eagle1_config(cfg, dtype_)
-
-    return _export(
-        "eagle",
-        src_dir,
-        out_dir,
-        make_config=make,
-        target_name=target_name_or_path,
-        speculative_tokens=speculative_tokens,
-        dtype=dtype,
-        metrics_json=metrics_json,
-        overwrite=overwrite,
-    )
+    return export_drafter("eagle", src_dir, out_dir, **options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -485,66 +436,3 @@ def load_export(
     drafter = EagleDrafter(cfg, embed, head).to(saved)
     drafter.load_state_dict(state)
     return drafter.to(device=embed.weight.device, dtype=dtype or saved).eval()
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
-def main_export_eagle(argv: list[str] | None = None) -> int:
-    """``draftsmith export --format speculators|eagle3|eagle --src DIR --out DIR ...``.
-
-    Exit 0 on success, 2 on a bad checkpoint or flag, 1 when the export cannot be written.
-    """
-    return cli_main(_main_export_eagle, argv)
-
-
-def _main_export_eagle(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="draftsmith export",
-        description="Write a trained EAGLE drafter for serving: speculators (vLLM, EAGLE-3), "
-        "eagle3 (SGLang / original EAGLE-3), eagle (vLLM, EAGLE-1).",
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("--format", required=True, choices=FORMATS)
-    parser.add_argument(
-        "--src",
-        "--checkpoint",
-        dest="src",
-        required=True,
-        help="the eagle recipe's output_dir or its drafter/ directory",
-    )
-    parser.add_argument("--out", required=True, help="destination directory")
-    parser.add_argument(
-        "--verifier",
-        default=None,
-        help="the target as the server should load it (HF id or path); required for speculators",
-    )
-    parser.add_argument("--k", type=int, default=3, help="speculative tokens (config / card)")
-    parser.add_argument(
-        "--dtype", default=None, help="weight dtype, e.g. bfloat16 (default: as saved)"
-    )
-    parser.add_argument("--metrics", default=None, help="evaluation JSON for the model card's τ")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    args = parser.parse_args(argv)
-    common = {
-        "speculative_tokens": args.k,
-        "dtype": args.dtype,
-        "metrics_json": args.metrics,
-        "overwrite": args.overwrite,
-    }
-    if args.format == "speculators":
-        if not args.verifier:
-            parser.error("--format speculators needs --verifier (the target's id or path)")
-        out = export_speculators(args.src, args.out, verifier_name_or_path=args.verifier, **common)
-    elif args.format == "eagle3":
-        out = export_eagle3(args.src, args.out, target_name_or_path=args.verifier, **common)
-    else:
-        out = export_eagle(args.src, args.out, target_name_or_path=args.verifier, **common)
-    print(f"exported ({args.format}) to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main_export_eagle())

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftsmith.heads.eagle import EagleConfig
-from draftsmith.train.export.command import ExportError, target_card_lines
+from draftsmith.heads.eagle_config import EagleConfig
+from draftsmith.train.export.common import ExportError, target_card_lines
 from draftsmith.train.export.eagle_config import CONFIG_FILE, read_json
 
 __all__ = ["INFO_FILE", "model_card", "provenance"]
@@ -149,7 +149,7 @@ def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k:
     """README.md: what the drafter is for, how it was trained, τ if measured, how to serve.
 
     ``info`` is :func:`provenance` plus the target's ``target_note`` / ``original_model``
-    (:func:`~draftsmith.train.export.command.target_facts`) when it has them.
+    (:func:`~draftsmith.train.export.common.target_facts`) when it has them.
     """
     training = info.get("training") or {}
     evaluation = info.get("evaluation")

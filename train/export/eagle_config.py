@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.eagle import EagleConfig
-from draftsmith.train.export.command import ExportError
+from draftsmith.heads.eagle_config import EagleConfig
+from draftsmith.train.export.common import ExportError
 
 __all__ = [
     "CONFIG_FILE",

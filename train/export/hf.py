@@ -20,17 +20,14 @@ inf is refused.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.train.config import HelpFormatter
-from draftsmith.train.device import DEVICE_HELP, device_facts, resolve_device
-from draftsmith.train.errors import RunError, cli_main
-from draftsmith.train.export.command import (
+from draftsmith.train.device import device_facts, resolve_device
+from draftsmith.train.errors import RunError
+from draftsmith.train.export.common import (
     ExportError,
     MissingCheckpointError,
     check_finite,
@@ -43,7 +40,7 @@ from draftsmith.train.runinfo import OutputExistsError, json_text, staged_dir
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["INFO_FILE", "export_hf", "main_export_hf", "model_card", "save_draft"]
+__all__ = ["INFO_FILE", "export_hf", "model_card", "save_draft"]
 
 #: Training metadata written beside the weights (read back by :func:`export_hf` for the card).
 INFO_FILE = "draftsmith_draft.json"
@@ -298,41 +295,3 @@ def _read_info(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}
-
-
-def main_export_hf(argv: list[str] | None = None) -> int:
-    """``draftsmith export --format hf``: ``--src DIR --out DIR [--tokenizer DIR] [--overwrite]``.
-
-    Exit 0 on success, 2 on a bad source or flag, 1 when the export cannot be written.
-    """
-    return cli_main(_main_export_hf, argv)
-
-
-def _main_export_hf(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="draftsmith export --format hf",
-        description="Write a trained draft LM as a save_pretrained directory (model, tokenizer, "
-        "generation config, model card) for HF assisted generation and vLLM draft models.",
-        formatter_class=HelpFormatter,
-    )
-    parser.add_argument("--src", required=True, help="the distill recipe's output_dir or draft/")
-    parser.add_argument("--out", required=True, help="destination directory")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer source (default: --src)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    parser.add_argument(
-        "--device", default="auto", help=DEVICE_HELP + "; where the reload check runs"
-    )
-    args = parser.parse_args(argv)
-    out = export_hf(
-        args.src,
-        args.out,
-        tokenizer_src=args.tokenizer,
-        overwrite=args.overwrite,
-        device=args.device,
-    )
-    print(f"exported to {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main_export_hf())

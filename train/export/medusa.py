@@ -34,14 +34,13 @@ Heads holding NaN or inf are refused. Each gets a short README.md and a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, WEIGHTS_FILE, MedusaHeads, load_medusa
-from draftsmith.train.export.command import (
+from draftsmith.train.export.common import (
     ExportError,
     MissingCheckpointError,
     check_finite,
@@ -64,17 +63,32 @@ VLLM_WEIGHTS = "model.safetensors"
 ORIGINAL_WEIGHTS = "medusa_lm_head.safetensors"
 
 
-def _atomic_dir(
-    out_dir: Path, tensors: dict[str, torch.Tensor], write: Callable[[Path], None]
+def _write_export(
+    out_dir: Path,
+    fmt: str,
+    weights: tuple[str, dict[str, torch.Tensor]],
+    config: dict[str, Any],
+    readme: str,
+    src_dir: Path,
+    facts: dict[str, str],
 ) -> Path:
-    """Check ``tensors`` are finite, then ``write(tmp)`` into a staged dir renamed to ``out_dir``.
+    """Check the tensors are finite, then write an export into a staged dir renamed to ``out_dir``.
 
+    The export is the weights file (``weights``: its name and tensors), ``config.json``,
+    ``README.md`` and ``draftsmith_export.json`` (the format, the source and the target facts).
     An existing ``out_dir`` is replaced: ``draftsmith export`` refuses it without --overwrite
     before getting here.
     """
+    from safetensors.torch import save_file
+
+    name, tensors = weights
     check_finite(tensors, f"Medusa heads for {out_dir}")
     with staged_dir(out_dir, overwrite=True, need_bytes=tensor_bytes(tensors) + (1 << 20)) as tmp:
-        write(tmp)
+        save_file(tensors, str(tmp / name), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
+        (tmp / "README.md").write_text(readme)
+        info = {"format": fmt, "source": str(src_dir), **facts}
+        (tmp / INFO_FILE).write_text(json_text(info, indent=2) + "\n")
     return Path(out_dir)
 
 
@@ -190,15 +204,8 @@ def export_medusa_vllm(
         ),
     ) + _tree_note(src_dir)
 
-    def write(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp / VLLM_WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme)
-        _write_info(tmp, "medusa-vllm", src_dir, facts)
-
-    return _atomic_dir(Path(out_dir), tensors, write)
+    weights = (VLLM_WEIGHTS, tensors)
+    return _write_export(Path(out_dir), "medusa-vllm", weights, config, readme, src_dir, facts)
 
 
 def export_medusa_original(
@@ -256,21 +263,8 @@ def export_medusa_original(
         "TGI / TensorRT-LLM's Medusa support, which read the same files.\n",
     ) + _tree_note(src_dir)
 
-    def write(tmp: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(tmp / ORIGINAL_WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
-        (tmp / "README.md").write_text(readme)
-        _write_info(tmp, "medusa", src_dir, facts)
-
-    return _atomic_dir(Path(out_dir), tensors, write)
-
-
-def _write_info(tmp: Path, fmt: str, src_dir: Path, facts: dict[str, str]) -> None:
-    """``draftsmith_export.json``: the format, the source and the target facts."""
-    info = {"format": fmt, "source": str(src_dir), **facts}
-    (tmp / INFO_FILE).write_text(json_text(info, indent=2) + "\n")
+    weights = (ORIGINAL_WEIGHTS, tensors)
+    return _write_export(Path(out_dir), "medusa", weights, config, readme, src_dir, facts)
 
 
 def _readme(

@@ -12,7 +12,9 @@ Cache layout (``<cache>`` is :func:`~draftsmith.train.target.load.default_cache_
 
     <cache>/targets/<key>/                  finished target (config, safetensors, tokenizer,
                                             draftsmith_target.json written last)
-    <cache>/targets/.<key>.lock             flock so only one process converts
+    <cache>/targets/.<key>.lock             lock (:class:`~draftsmith.train.safety.OutputLock`)
+                                            so only one process converts; ``.pid`` beside it
+                                            names the holder while held
     <cache>/targets/.tmp-<key>-XXXX/        build area, renamed into place when complete
 
 Several processes (e.g. ``accelerate launch`` ranks) may call
@@ -43,12 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.train.target.load import DEFAULT_TARGET, WEIGHT_FILES, TargetError, load_tokenizer
-
-try:  # fcntl is POSIX-only; without it we rely on the atomic rename alone.
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
+from draftsmith.train.safety import OutputLock
+from draftsmith.train.target.common import DEFAULT_TARGET, WEIGHT_FILES, TargetError, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -128,7 +126,15 @@ def prepare_cached(plan: Plan, root: Path, *, force: bool, quiet: bool) -> Path:
 
     targets.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with _file_lock(targets / f".{plan.key}.lock", quiet=quiet):
+    lock_path = targets / f".{plan.key}.lock"
+
+    def waiting(pid: str) -> None:
+        _say(
+            quiet,
+            f"waiting for another process (PID {pid}) to finish preparing the target ({lock_path})…",
+        )
+
+    with OutputLock(final, "target preparation", lock_path=lock_path, on_wait=waiting):
         # Another process may have finished while we waited. With force, only accept a build
         # that finished after we were asked, so N ranks calling force=True rebuild once, not N
         # times.
@@ -407,7 +413,7 @@ def _install(built: Path, final: Path, build_root: Path) -> None:
     try:
         os.rename(built, final)
     except OSError:
-        # Only reachable without a working flock (e.g. some network filesystems): another
+        # Only reachable without a working lock (e.g. some network filesystems): another
         # process won the race. Theirs is as good as ours; ours is discarded with build_root.
         if not _is_complete(final):
             raise
@@ -435,26 +441,6 @@ def _marker(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-@contextlib.contextmanager
-def _file_lock(lock_path: Path, *, quiet: bool) -> Iterator[None]:
-    """Exclusive advisory lock; the OS releases it if the holder dies."""
-    if fcntl is None:  # pragma: no cover - Windows
-        yield
-        return
-    with open(lock_path, "a+") as fh:
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(
-                quiet, f"waiting for another process to finish preparing the target ({lock_path})…"
-            )
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _remove_stale_builds(targets: Path, key: str) -> None:

@@ -26,12 +26,17 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from draftsmith.train.config import HelpFormatter
-from draftsmith.train.errors import RunError
+from draftsmith.train.target.common import (
+    DEFAULT_TARGET,
+    WEIGHT_FILES,
+    TargetError,
+    load_tokenizer,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -52,8 +57,6 @@ __all__ = [
     "prepare_target",
 ]
 
-DEFAULT_TARGET = "smollm2-135m-instruct"
-
 #: The Hub model the default target's GGUF was quantized from. Not the same weights: the default
 #: target is that GGUF (Q4_1) dequantized, so a drafter trained on it may accept differently
 #: with the original (see :func:`describe_target`).
@@ -66,18 +69,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 #: (root folder only: no ONNX/GGUF/TF exports in subfolders). ``*.bin`` only when a repo has no
 #: safetensors.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-
-#: The weight files of an HF model directory, any one of which makes it loadable.
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-class TargetError(RunError):
-    """A target could not be found, fetched, validated or converted (exit code 1)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,7 +253,7 @@ def _prepare(
     resolved = _resolve_source(source, wheel=wheel)
     if isinstance(resolved, Path):
         return _validate_hf_dir(resolved, check_tokenizer=check_tokenizer)
-    # Imported here, not at the top: convert.py imports TargetError from this module.
+    # Imported here: only a GGUF source needs the converter.
     from draftsmith.train.target.convert import prepare_cached
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
@@ -271,7 +262,7 @@ def _prepare(
 
 def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> Path | Plan:
     """Classify ``source``: an HF directory (returned as a Path) or a conversion plan."""
-    from draftsmith.train.target import convert  # not at the top: it imports this module
+    from draftsmith.train.target import convert
 
     if source is None or (isinstance(source, str) and source.strip().lower() == DEFAULT_TARGET):
         wheel_path = None
@@ -412,7 +403,7 @@ def describe_target(
         ``{"target": name}``, plus ``target_revision``, ``target_note`` and ``original_model``
         where they apply.
     """
-    from draftsmith.train.target import convert  # not at the top: it imports this module
+    from draftsmith.train.target import convert
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if source is None or str(source).strip().lower() == DEFAULT_TARGET:
@@ -495,14 +486,3 @@ def _validate_hf_dir(path: Path, *, check_tokenizer: bool = True) -> Path:
     if check_tokenizer:
         load_tokenizer(path)
     return path
-
-
-def load_tokenizer(path: Path, **kwargs: Any) -> PreTrainedTokenizerBase:
-    """AutoTokenizer.from_pretrained with an error that names the directory/file."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
-    except Exception as exc:
-        what = path / kwargs["gguf_file"] if "gguf_file" in kwargs else path
-        raise TargetError(f"cannot load a tokenizer from {what}: {exc}") from exc
