@@ -37,6 +37,7 @@ from draftsmith.heads import registry
 from draftsmith.heads.base import BuildOptions, runs_own_loop
 from draftsmith.heads.sampling import SamplingParams, sampling_problems
 from draftsmith.train.config import ConfigError, as_list, cfg_field, config_to_dict, parse_config
+from draftsmith.train.core.stop import StopSignals
 from draftsmith.train.data.prompts import PromptFileError, load_prompts, render_prompt
 from draftsmith.train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
 from draftsmith.train.decoding.metrics import results_table
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     # A background run (SIGINT ignored) or a scheduler's SIGTERM stops it like Ctrl-C: the
     # finished prompts stay in the partial file.
-    handlers = _stop_on_signals()
+    signals = StopSignals(interrupt=True).install()
     progress = Progress(*columns, transient=not sys.stderr.isatty())
     task = progress.add_task("evaluating", total=len(prompts), completed=len(prompts) - len(todo))
     start = time.perf_counter()
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         progress.stop()
-        _restore_signals(handlers)
+        signals.restore()
 
     # --- results ------------------------------------------------------------------------------
     # Every figure from the per-prompt entries (this segment's and any earlier one's), in the
@@ -512,30 +513,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"the first differing token: {gaps})"
                 )
     return code
-
-
-def _stop_on_signals() -> dict:
-    """SIGINT and SIGTERM raise KeyboardInterrupt (main thread only); the old handlers."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-
-    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, stop)
-    return old
-
-
-def _restore_signals(old: dict) -> None:
-    import signal
-
-    for sig, handler in old.items():
-        signal.signal(sig, handler)
 
 
 def _parse_shard(text: str) -> tuple[int, int] | None:

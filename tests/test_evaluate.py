@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from draftsmith.recipes.cli import main as cli
 from draftsmith.recipes.evaluate import main as evaluate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, *args):
@@ -582,3 +585,31 @@ def test_partial_file_drops_a_line_cut_by_a_kill(tmp_path):
     other = PartialRun(out, {"k": 2}, ["plain", "suffix"])
     with pytest.raises(Exception, match="other settings"):
         other.load(resume=True)
+
+
+def test_sigterm_keeps_the_finished_prompts_and_exits_130(tiny_target_dir, tmp_path):
+    """A real SIGTERM (a scheduler's, or `kill` of a background run) stops evaluate like Ctrl-C,
+    through the one stop mechanism (train/core/stop.py): finished prompts stay in the partial
+    file and the same command continues."""
+    import signal
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {i} " * 8}) + "\n" for i in range(40)))
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "recipes" / "evaluate.py"), "--target", str(tiny_target_dir)]
+    cmd += ["--prompts", str(prompts), "--drafter", "ngram", "--max-new-tokens", "48"]
+    cmd += ["--threads", "1", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # one line per finished prompt when stderr is not a terminal
+        if line.startswith("[1/40]"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "the same command continues" in err
+    kept = Path(f"{out}.partial.jsonl").read_text().splitlines()
+    finished = [x for x in kept if json.loads(x).get("entries")]
+    assert 1 <= len(finished) < 40
+    assert not out.exists()

@@ -29,11 +29,18 @@ class StopSignals:
 
     Installed only in the main thread (Python delivers signals there), restored on
     :meth:`restore`. Use ``requested`` as this process's vote in the per-step stop verdict.
+
+    Args:
+        interrupt: raise ``KeyboardInterrupt`` at the first signal instead of setting the flag:
+            for work whose unit is not worth finishing (evaluate: a prompt in progress is
+            dropped, the finished ones are kept), also when SIGINT is ignored (a background
+            job) or a scheduler sends SIGTERM.
     """
 
-    def __init__(self, say=print) -> None:
+    def __init__(self, say=print, *, interrupt: bool = False) -> None:
         self.requested: str | None = None
         self._say = say
+        self._interrupt = interrupt
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignals:
@@ -46,6 +53,9 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        if self._interrupt:
+            self.requested = name
+            raise KeyboardInterrupt
         if self.requested is not None:
             # The user insists: leave now. A save in progress is a temp dir, never a checkpoint.
             # os._exit runs no exit hook: logs and output are flushed first; an open W&B run is
