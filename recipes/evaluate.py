@@ -177,8 +177,8 @@ class EvalConfig:
 
     def validate(self) -> list[tuple[str, str]]:
         problems = []
-        if device_problem(self.device):
-            problems.append(("device", device_problem(self.device)))
+        if problem := device_problem(self.device):
+            problems.append(("device", problem))
         if self.k < 1:
             problems.append(("k", f"must be >= 1, got {self.k}"))
         if self.max_new_tokens < 1:
