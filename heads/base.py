@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from draftsmith.heads.sampling import SamplingParams
+    from .sampling import SamplingParams
 
 # Target hidden states keyed by layer index in HF's ``output_hidden_states`` convention:
 # 0 = embedding output (input to layer 0), i = output of layer i-1 (= input to layer i),

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
-from draftsmith.heads.sampling import SamplingParams, choose
+from .base import BuildOptions, DrafterKind, Features, Proposal
+from .sampling import SamplingParams, choose
 
 
 def first_vocab_difference(

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.heads.base import BuildOptions, DrafterKind, unwrap_model
-from draftsmith.heads.eagle_config import EagleConfig
-from draftsmith.heads.eagle_model import EagleDrafter
-from draftsmith.heads.eagle_proposer import EagleProposer
+from .base import BuildOptions, DrafterKind, unwrap_model
+from .eagle_config import EagleConfig
+from .eagle_model import EagleDrafter
+from .eagle_proposer import EagleProposer
 
 __all__ = [
     "DRAFTER_FORMAT",

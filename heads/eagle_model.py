@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from draftsmith.heads.base import Features
+from .base import Features
 
 if TYPE_CHECKING:
-    from draftsmith.heads.eagle_config import EagleConfig
+    from .eagle_config import EagleConfig
 
 __all__ = ["EagleCache", "EagleDrafter", "RMSNorm", "SharedTarget", "causal_mask"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.base import Features, Proposal, unwrap_model
-from draftsmith.heads.eagle_model import EagleCache, EagleDrafter
-from draftsmith.heads.sampling import SamplingParams, choose
+from .base import Features, Proposal, unwrap_model
+from .eagle_model import EagleCache, EagleDrafter
+from .sampling import SamplingParams, choose
 
 __all__ = ["EagleProposer"]
 

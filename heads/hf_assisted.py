@@ -33,9 +33,9 @@ from collections.abc import Callable, Collection
 import torch
 from transformers import PreTrainedModel
 
-from draftsmith.heads.base import BuildOptions, DrafterKind, GenerationOutput
-from draftsmith.heads.draft_lm import check_vocab_compatible, load_draft_model
-from draftsmith.heads.sampling import SamplingParams
+from .base import BuildOptions, DrafterKind, GenerationOutput
+from .draft_lm import check_vocab_compatible, load_draft_model
+from .sampling import SamplingParams
 
 
 class HFAssisted:

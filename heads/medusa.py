@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
-from draftsmith.heads.sampling import SamplingParams, choose
+from .base import BuildOptions, DrafterKind, Features, Proposal
+from .sampling import SamplingParams, choose
 
 __all__ = [
     "ACCURACY_FILE",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
-from draftsmith.heads.sampling import SamplingParams
+from .base import BuildOptions, DrafterKind, Features, Proposal
+from .sampling import SamplingParams
 
 
 class NGramDrafter:

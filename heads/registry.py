@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from draftsmith.heads import draft_lm, eagle, hf_assisted, medusa, ngram, suffix
-from draftsmith.heads.base import BuildOptions, DrafterKind
+from . import draft_lm, eagle, hf_assisted, medusa, ngram, suffix
+from .base import BuildOptions, DrafterKind
 
 
 def _plain(path: str | None, options: BuildOptions) -> None:

@@ -19,8 +19,8 @@ from collections import Counter
 
 import torch
 
-from draftsmith.heads.base import BuildOptions, DrafterKind, Features, Proposal
-from draftsmith.heads.sampling import SamplingParams
+from .base import BuildOptions, DrafterKind, Features, Proposal
+from .sampling import SamplingParams
 
 
 class SuffixDrafter:

@@ -49,6 +49,9 @@ HF's loops are reported as measured. The report itself (JSON, markdown, plots) i
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import argparse
 import gc
 import json
@@ -59,8 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.heads.registry import kinds_help
-from draftsmith.train.config import (
+from ..heads.registry import kinds_help
+from ..train.config import (
     ConfigError,
     HelpFormatter,
     add_config_arguments,
@@ -68,9 +71,9 @@ from draftsmith.train.config import (
     config_from_args,
     config_to_dict,
 )
-from draftsmith.train.device import DEVICE_HELP, device_facts, device_problem, resolve_device
-from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.report.bench import (
+from ..train.device import DEVICE_HELP, device_facts, device_problem, resolve_device
+from ..train.errors import UsageError, cli_main
+from ..train.report.bench import (
     RESULT_COLUMNS,
     build_report,
     busy_warnings,
@@ -80,10 +83,10 @@ from draftsmith.train.report.bench import (
     results_rows,
     write_outputs,
 )
-from draftsmith.train.report.recommend import default_cost_profile, load_costs
-from draftsmith.train.report.served import serve, served_lines
-from draftsmith.train.report.text import console, fmt_number
-from draftsmith.train.runinfo import load_record, machine_load, run_info, sibling_load
+from ..train.report.recommend import default_cost_profile, load_costs
+from ..train.report.served import serve, served_lines
+from ..train.report.text import console, fmt_number
+from ..train.runinfo import load_record, machine_load, run_info, sibling_load
 
 __all__ = ["BenchConfig", "main", "parse", "run"]
 
@@ -277,9 +280,9 @@ def _given_limit(args: list[str]) -> int | None:
 def _finished(raw: Path, argv: list[str]) -> bool:
     """Whether ``raw`` holds a complete evaluate run of exactly these settings (a rerun of a
     stopped bench keeps it instead of measuring it again)."""
-    from draftsmith.recipes.evaluate import EvalConfig
-    from draftsmith.train.config import parse_config
-    from draftsmith.train.decoding.partial import RESULT_IRRELEVANT, partial_path
+    from ..train.config import parse_config
+    from ..train.decoding.partial import RESULT_IRRELEVANT, partial_path
+    from .evaluate import EvalConfig
 
     if not raw.is_file() or partial_path(raw).exists():
         return False

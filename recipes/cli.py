@@ -9,23 +9,26 @@ line, or ``DRAFTSMITH_DEBUG=1``, shows the traceback instead.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from draftsmith.train.errors import UsageError, cli_main
+from ..train.errors import UsageError, cli_main
 
 
 def _prepare_target(argv: list[str]) -> int:
-    from draftsmith.train.target.load import main_prepare_target
+    from ..train.target_model.load import main_prepare_target
 
     return main_prepare_target(argv)
 
 
 def _evaluate(argv: list[str]) -> int:
-    from draftsmith.recipes.evaluate import main
+    from .evaluate import main
 
     return main(argv)
 
@@ -36,13 +39,13 @@ def _bench(argv: list[str]) -> int:
     The bench runs ``draftsmith evaluate`` through this dispatch (:func:`main`), handed to it
     here: a recipe never imports this module.
     """
-    from draftsmith.recipes.bench import main as bench
+    from .bench import main as bench
 
     return bench(argv, call=main)
 
 
 def _export(argv: list[str]) -> int:
-    from draftsmith.train.export.command import main
+    from ..train.export.command import main
 
     return main(argv)
 
@@ -140,7 +143,7 @@ def parse_command(argv: list[str]) -> Any:
         ConfigError: a value the command would refuse (named by field).
         SystemExit: an unknown flag or a flag without its value (argparse, as the command).
     """
-    from draftsmith.train.config import parse_config
+    from ..train.config import parse_config
 
     group, name = [*argv, "", ""][:2]
     config_class = command_config_class(group, name)
@@ -184,7 +187,7 @@ def _quickstart(argv: list[str]) -> int:
     Each stage is one of the commands below, called through this dispatch (:func:`main`),
     handed to ``draftsmith.recipes.quickstart`` here: a recipe never imports this module.
     """
-    from draftsmith.recipes.quickstart import main as quickstart
+    from .quickstart import main as quickstart
 
     return quickstart(argv, call=main)
 

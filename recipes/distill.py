@@ -35,6 +35,9 @@ Output directory::
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import math
 import sys
 import time
@@ -45,9 +48,9 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.config import cfg_field, parse_config
-from draftsmith.train.core.config import TrainConfig
-from draftsmith.train.core.data import (
+from ..train.config import cfg_field, parse_config
+from ..train.core.config import TrainConfig
+from ..train.core.data import (
     check_enough_data,
     eos_ids,
     input_errors,
@@ -56,18 +59,18 @@ from draftsmith.train.core.data import (
     split_indices,
     total_steps,
 )
-from draftsmith.train.core.dist import exit_process
-from draftsmith.train.core.run import TrainRun
-from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
-from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.objectives.distill import (
+from ..train.core.dist import exit_process
+from ..train.core.run import TrainRun
+from ..train.data.batching import TokenDataset, collate_hidden_states
+from ..train.errors import UsageError, cli_main
+from ..train.objectives.distill import (
     LOSSES,
     distill_loss,
     expected_acceptance,
     greedy_agreement,
     prediction_mask,
 )
-from draftsmith.train.objectives.draft_init import DRAFT_INITS, compute_ratio, init_draft
+from ..train.objectives.draft_init import DRAFT_INITS, compute_ratio, init_draft
 
 
 @dataclass
@@ -316,10 +319,10 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    from draftsmith.train.decoding.metrics import simulated_tau
-    from draftsmith.train.export.hf import save_draft
-    from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target.load import describe_target, load_target
+    from ..train.decoding.metrics import simulated_tau
+    from ..train.export.hf import save_draft
+    from ..train.runinfo import run_info
+    from ..train.target_model.load import describe_target, load_target
 
     with TrainRun(
         cfg,

@@ -39,6 +39,9 @@ Output directory::
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import math
 import sys
 import time
@@ -47,9 +50,9 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.train.config import cfg_field, parse_config
-from draftsmith.train.core.config import TrainConfig
-from draftsmith.train.core.data import (
+from ..train.config import cfg_field, parse_config
+from ..train.core.config import TrainConfig
+from ..train.core.data import (
     check_enough_data,
     eos_ids,
     input_errors,
@@ -57,10 +60,10 @@ from draftsmith.train.core.data import (
     split_indices,
     total_steps,
 )
-from draftsmith.train.core.dist import exit_process
-from draftsmith.train.core.run import TrainRun, mean_over_processes
-from draftsmith.train.core.stop import NonFiniteError, non_finite_parameters
-from draftsmith.train.errors import UsageError, cli_main
+from ..train.core.dist import exit_process
+from ..train.core.run import TrainRun, mean_over_processes
+from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.errors import UsageError, cli_main
 
 
 @dataclass
@@ -149,14 +152,14 @@ def train(cfg: EagleTrainConfig) -> int:
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    from draftsmith.heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
-    from draftsmith.train.data.chat import template_fingerprint
-    from draftsmith.train.data.vocab import coverage, draft_vocab, token_counts
-    from draftsmith.train.decoding.metrics import simulated_tau
-    from draftsmith.train.features.source import feature_source, target_fingerprint
-    from draftsmith.train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
-    from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target.load import load_target
+    from ..heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
+    from ..train.data.chat import template_fingerprint
+    from ..train.data.vocab import coverage, draft_vocab, token_counts
+    from ..train.decoding.metrics import simulated_tau
+    from ..train.features.source import feature_source, target_fingerprint
+    from ..train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
+    from ..train.runinfo import run_info
+    from ..train.target_model.load import load_target
 
     kind = f"eagle{cfg.version}"
     with TrainRun(cfg, recipe="eagle", kind=kind, outputs=["drafter"], fsdp=True) as run:

@@ -26,6 +26,9 @@ W&B with ``--report-to wandb`` (offline when no API key is configured).
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import sys
 import time
 from dataclasses import dataclass
@@ -33,16 +36,16 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.heads import registry
-from draftsmith.heads.base import BuildOptions, runs_own_loop
-from draftsmith.heads.sampling import SamplingParams, sampling_problems
-from draftsmith.train.config import ConfigError, as_list, cfg_field, config_to_dict, parse_config
-from draftsmith.train.core.stop import StopSignals
-from draftsmith.train.data.prompts import PromptFileError, load_prompts, render_prompt
-from draftsmith.train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
-from draftsmith.train.decoding.metrics import results_table
-from draftsmith.train.decoding.partial import PartialRun
-from draftsmith.train.decoding.results import (
+from ..heads import registry
+from ..heads.base import BuildOptions, runs_own_loop
+from ..heads.sampling import SamplingParams, sampling_problems
+from ..train.config import ConfigError, as_list, cfg_field, config_to_dict, parse_config
+from ..train.core.stop import StopSignals
+from ..train.data.prompts import PromptFileError, load_prompts, render_prompt
+from ..train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
+from ..train.decoding.metrics import results_table
+from ..train.decoding.partial import PartialRun
+from ..train.decoding.results import (
     counters,
     divergence,
     identity,
@@ -50,8 +53,8 @@ from draftsmith.train.decoding.results import (
     prompt_entry,
     summarize_entries,
 )
-from draftsmith.train.decoding.speculative import generate
-from draftsmith.train.device import (
+from ..train.decoding.speculative import generate
+from ..train.device import (
     DEVICE_HELP,
     DeviceTimer,
     device_problem,
@@ -59,8 +62,8 @@ from draftsmith.train.device import (
     make_generator,
     resolve_device,
 )
-from draftsmith.train.errors import UsageError
-from draftsmith.train.runinfo import (
+from ..train.errors import UsageError
+from ..train.runinfo import (
     busy_warning,
     load_record,
     machine_load,
@@ -69,8 +72,8 @@ from draftsmith.train.runinfo import (
     wandb_mode,
     write_json_atomic,
 )
-from draftsmith.train.target.kernels import flatten_linear_inputs
-from draftsmith.train.target.load import TargetError, load_target
+from ..train.target_model.kernels import flatten_linear_inputs
+from ..train.target_model.load import TargetError, load_target
 
 
 @dataclass

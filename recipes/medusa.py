@@ -40,6 +40,9 @@ fine-tuned target in ``target/``, not the original target. Evaluate and serve wi
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import functools
 import math
 import sys
@@ -49,10 +52,10 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.medusa import ACCURACY_FILE, TARGET_SUBDIR, MedusaHeads
-from draftsmith.train.config import cfg_field, parse_config
-from draftsmith.train.core.config import TrainConfig
-from draftsmith.train.core.data import (
+from ..heads.medusa import ACCURACY_FILE, TARGET_SUBDIR, MedusaHeads
+from ..train.config import cfg_field, parse_config
+from ..train.core.config import TrainConfig
+from ..train.core.data import (
     check_enough_data,
     input_errors,
     load_samples,
@@ -60,12 +63,12 @@ from draftsmith.train.core.data import (
     split_indices,
     total_steps,
 )
-from draftsmith.train.core.dist import exit_process
-from draftsmith.train.core.run import TrainRun
-from draftsmith.train.core.stop import NonFiniteError, non_finite_parameters
-from draftsmith.train.decoding.metrics import simulated_tau
-from draftsmith.train.errors import cli_main
-from draftsmith.train.objectives.medusa import (
+from ..train.core.dist import exit_process
+from ..train.core.run import TrainRun
+from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.decoding.metrics import simulated_tau
+from ..train.errors import cli_main
+from ..train.objectives.medusa import (
     HEAD_LABELS,
     TARGET_LOSSES,
     Medusa1Objective,
@@ -230,17 +233,17 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     from torch.utils.data import DataLoader, Subset
     from tqdm.auto import tqdm
 
-    from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
-    from draftsmith.train.data.chat import template_fingerprint
-    from draftsmith.train.features.cache_format import DTYPES
-    from draftsmith.train.features.cache_read import cached_max_length
-    from draftsmith.train.features.source import (
+    from ..train.data.batching import TokenDataset, collate_hidden_states
+    from ..train.data.chat import template_fingerprint
+    from ..train.features.cache_format import DTYPES
+    from ..train.features.cache_read import cached_max_length
+    from ..train.features.source import (
         dataset_fingerprint,
         feature_source,
         target_fingerprint,
     )
-    from draftsmith.train.runinfo import run_info
-    from draftsmith.train.target.load import load_target, prepare_target
+    from ..train.runinfo import run_info
+    from ..train.target_model.load import load_target, prepare_target
 
     medusa2 = cfg.stage == "medusa2"
     outputs = [HEADS_SUBDIR, METRICS_FILE, TARGET_SUBDIR]

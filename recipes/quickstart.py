@@ -46,6 +46,9 @@ rerun that stage and every later one; ``--overwrite`` starts over. docs/quicksta
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
+    __package__ = "draftsmith.recipes"
+
 import math
 import os
 import shlex
@@ -55,17 +58,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from draftsmith.train.config import cfg_field, config_to_dict, parse_config
-from draftsmith.train.device import (
+from ..train.config import cfg_field, config_to_dict, parse_config
+from ..train.device import (
     DEVICE_HELP,
     device_facts,
     device_problem,
     is_cpu,
     resolve_device,
 )
-from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.jobs import budget
-from draftsmith.train.jobs.budget import (
+from ..train.errors import UsageError, cli_main
+from ..train.jobs import budget
+from ..train.jobs.budget import (
     RATES,
     STAGE_NAMES,
     Plan,
@@ -75,7 +78,7 @@ from draftsmith.train.jobs.budget import (
     speed_factor,
     train_schedule,
 )
-from draftsmith.train.jobs.stages import (
+from ..train.jobs.stages import (
     Stage,
     StageJob,
     count_lines,
@@ -87,8 +90,8 @@ from draftsmith.train.jobs.stages import (
     read_meta,
     relative_path,
 )
-from draftsmith.train.report.quickstart import plan_lines, vllm_serve_command
-from draftsmith.train.report.text import console, minutes
+from ..train.report.quickstart import plan_lines, vllm_serve_command
+from ..train.report.text import console, minutes
 
 __all__ = ["Quickstart", "QuickstartConfig", "main"]
 
@@ -273,7 +276,7 @@ class Quickstart(StageJob):
         self.probe_s = 0.0
 
     def run(self) -> int:
-        from draftsmith.train.runinfo import output_lock
+        from ..train.runinfo import output_lock
 
         cfg = self.cfg
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -316,8 +319,8 @@ class Quickstart(StageJob):
 
     def _check_inputs(self) -> tuple[str, int]:
         """Read the prompt sources now, so a bad file fails before any model loads."""
-        from draftsmith.train.data.prompts import DEFAULT_PROMPTS
-        from draftsmith.train.datagen.prompt_sources import load_seed_prompts
+        from ..train.data.prompts import DEFAULT_PROMPTS
+        from ..train.datagen.prompt_sources import load_seed_prompts
 
         shipped = load_seed_prompts(DEFAULT_PROMPTS, id_prefix="shipped", source="shipped")
         digest = file_hash(DEFAULT_PROMPTS)
@@ -399,7 +402,7 @@ class Quickstart(StageJob):
         }
 
     def _prepare(self) -> Stage:
-        from draftsmith.train.target.load import prepare_target
+        from ..train.target_model.load import prepare_target
 
         def complete() -> bool:
             recorded = self.state["stages"].get("prepare", {}).get("target_path")
@@ -718,9 +721,9 @@ class Quickstart(StageJob):
 
     def _summary(self) -> dict[str, Any]:
         """Print the results, paths and the serve command; write summary.md and the plots."""
-        from draftsmith.train.decoding.metrics import results_table
-        from draftsmith.train.report.plots import write_quickstart_plots
-        from draftsmith.train.report.quickstart import summary_lines, summary_markdown
+        from ..train.decoding.metrics import results_table
+        from ..train.report.plots import write_quickstart_plots
+        from ..train.report.quickstart import summary_lines, summary_markdown
 
         result = read_json(self.out / REPORT)
         training = read_json(self.out / RUN / "training_metrics.json")

@@ -35,7 +35,7 @@ from draftsmith.train.decoding.metrics import summarize
 from draftsmith.train.decoding.speculative import generate
 from draftsmith.train.device import DeviceTimer, is_cpu, resolve_device
 from draftsmith.train.runinfo import run_info, write_json_atomic
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 
 METHODS = ["hf-greedy", "plain", "hf-prompt-lookup", "ngram", "hf-assisted", "draft-lm"]
 EXTRA_METHODS = ["ngram-adaptive", "draft-lm-adaptive"]  # cost-aware draft length

@@ -48,7 +48,7 @@ from draftsmith.train.datagen.self_distill import DistillStats, resolve_split, s
 from draftsmith.train.datagen.vllm_server import default_vllm_python, local_vllm_server
 from draftsmith.train.report.served import vllm_version
 from draftsmith.train.runinfo import machine_load, run_info, write_json_atomic
-from draftsmith.train.target.load import load_target, prepare_target
+from draftsmith.train.target_model.load import load_target, prepare_target
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf: {results['hf']}")
         del model
     else:
-        from draftsmith.train.target.load import load_tokenizer
+        from draftsmith.train.target_model.load import load_tokenizer
 
         tok = load_tokenizer(target)
 

@@ -28,7 +28,7 @@ from draftsmith.train.features.cache_format import DTYPES
 from draftsmith.train.features.cache_shards import compute_shard, make_plan, write_shard
 from draftsmith.train.features.source import default_layers, scan_token_data
 from draftsmith.train.runinfo import run_info, write_json_atomic
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 

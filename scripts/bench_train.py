@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.features.source import feature_source
     from draftsmith.train.objectives.eagle_ttt import eagle3_ttt_loss
     from draftsmith.train.runinfo import run_info, write_json_atomic
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     info = run_info()
     load_before = os.getloadavg()

@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.data.prompts import load_prompts, render_prompt
     from draftsmith.train.decoding.speculative import generate
     from draftsmith.train.runinfo import run_info, write_json_atomic
-    from draftsmith.train.target.kernels import flatten_linear_inputs
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.kernels import flatten_linear_inputs
+    from draftsmith.train.target_model.load import load_target
 
     info = run_info()
     run = Path(args.run)

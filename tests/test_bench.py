@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def setup(tmp_path_factory):
     """A tiny target, an EAGLE-3 drafter inside a fake training run, a cost profile."""
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     root = tmp_path_factory.mktemp("bench")
     target_dir = tiny_model_dir(root / "target")

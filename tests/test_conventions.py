@@ -22,7 +22,7 @@ from conftest import tiny_model_dir
 
 from draftsmith.recipes.cli import main as cli
 from draftsmith.train import runinfo
-from draftsmith.train.target.load import (
+from draftsmith.train.target_model.load import (
     DEFAULT_TARGET,
     DEFAULT_TARGET_ORIGINAL,
     TargetError,
@@ -35,7 +35,7 @@ from draftsmith.train.target.load import (
 REPO = Path(__file__).resolve().parents[1]
 HUB_ID = "tiny-org/tiny-llama"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
-# The default target's GGUF (train/target/convert.py pins it): a converted dir with this hash
+# The default target's GGUF (train/target_model/convert.py pins it): a converted dir with this hash
 # in its marker is the dequantized SmolLM2.
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 

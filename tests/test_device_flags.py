@@ -40,7 +40,7 @@ def files(tmp_path_factory):
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
     from draftsmith.train.export.hf import save_draft
     from draftsmith.train.objectives.draft_init import pruned_draft
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     root = tmp_path_factory.mktemp("device_flags")
     target_dir = tiny_model_dir(root / "target")

@@ -14,7 +14,7 @@ import pytest
 from draftsmith.heads.eagle import load_drafter
 from draftsmith.recipes.eagle import main as train_eagle
 from draftsmith.recipes.evaluate import main as evaluate
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -438,7 +438,7 @@ def test_connect_names_the_url_and_the_models(tok):
 @pytest.fixture
 def served(tiny_target_dir):
     """The fake server answering with the tiny target saved in ``tiny_target_dir``."""
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     model, tok = load_target(tiny_target_dir, quiet=True)
     with FakeServer(tok, model_rule(model, tok), models=("tiny",), delay=out_of_order) as fake:

@@ -56,7 +56,7 @@ if not (TARGET / "config.json").is_file():
 
 
 def test_distill_through_vllm_serve_matches_the_hf_path(tmp_path, capsys):
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     src = tmp_path / "prompts.jsonl"
     convs, _ = load_records(PROMPTS)

@@ -416,7 +416,7 @@ def test_fp32_drafters_beside_a_bf16_target_stay_lossless(tmp_path, tiny_target_
     import torch
 
     from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     target, _ = load_target(str(tiny_target_dir))
     drafter = build_drafter(target, EagleConfig.from_target(target.config, 3), seed=0)

@@ -14,7 +14,7 @@ from draftsmith.train.export import eagle as export_eagle
 from draftsmith.train.export.hf import save_draft
 from draftsmith.train.export.medusa import load_medusa_export
 from draftsmith.train.objectives.draft_init import pruned_draft
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 
 
 @pytest.fixture

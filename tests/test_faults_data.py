@@ -32,7 +32,7 @@ from draftsmith.train.features.source import feature_source, target_fingerprint
 from draftsmith.train.objectives.draft_init import pruned_draft
 from draftsmith.train.runinfo import clean_stale_dirs, output_lock, write_json_atomic
 from draftsmith.train.safety import DiskSpaceError, OutputLockedError
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 from tests.conftest import tiny_llama, tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ import torch
 from draftsmith.heads.eagle import load_drafter
 from draftsmith.train.core.checkpoint import check_shared_output
 from draftsmith.train.errors import UsageError
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 from tests.test_eagle_recipe import REPO, _free_port, base_args, launch_eagle
 from tests.test_medusa_recipe import args as medusa_args
 

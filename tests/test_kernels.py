@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from draftsmith.train.target.kernels import flatten_linear_inputs
+from draftsmith.train.target_model.kernels import flatten_linear_inputs
 
 
 def test_patched_linear_matches_and_keeps_state_dict():
@@ -63,7 +63,7 @@ def test_only_cpu_bf16_layers_are_patched():
 
 
 def test_load_target_patches_only_on_cpu_in_bf16(tiny_target_dir):
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     bf16, _ = load_target(tiny_target_dir, dtype=torch.bfloat16)
     fp32, _ = load_target(tiny_target_dir, dtype=torch.float32)

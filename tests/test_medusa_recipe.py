@@ -17,7 +17,7 @@ from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.recipes.medusa import main as train_medusa
 from draftsmith.train.config import ConfigError, load_config
 from draftsmith.train.decoding.speculative import generate
-from draftsmith.train.target.load import load_target
+from draftsmith.train.target_model.load import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [

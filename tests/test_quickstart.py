@@ -103,7 +103,7 @@ def job(tmp_path_factory):
 
 def test_main_job_runs_every_stage(job):
     from draftsmith.train.export.eagle import load_export
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     assert job.code == 0, job.printed
     out = job.out

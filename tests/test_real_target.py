@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def real():
-    from draftsmith.train.target.load import load_target
+    from draftsmith.train.target_model.load import load_target
 
     return load_target()
 

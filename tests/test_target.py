@@ -1,4 +1,4 @@
-"""Tests for draftsmith.train.target.load and draftsmith.train.target.convert.
+"""Tests for draftsmith.train.target_model.load and draftsmith.train.target_model.convert.
 
 Everything except the ``slow`` test runs offline on a tiny random Llama (vocab 128, hidden 32,
 2 layers) whose tokenizer is trained on the spot with ``tokenizers``. The GGUF path is tested
@@ -22,9 +22,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from draftsmith.train.target import convert
-from draftsmith.train.target.convert import MARKER_FILE
-from draftsmith.train.target.load import (
+from draftsmith.train.target_model import convert
+from draftsmith.train.target_model.convert import MARKER_FILE
+from draftsmith.train.target_model.load import (
     DEFAULT_TARGET,
     TargetError,
     default_cache_dir,
@@ -214,7 +214,7 @@ def _chat_ids(tokenizer) -> torch.Tensor:
 def _prepare_worker(gguf_path: str, cache_dir: str, barrier, results) -> None:
     """Spawned process: race prepare_target against the others, report (path, converted?)."""
     try:
-        from draftsmith.train.target import convert, load
+        from draftsmith.train.target_model import convert, load
 
         converted = []
         real_build = convert._build

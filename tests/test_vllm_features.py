@@ -288,7 +288,7 @@ def test_vllm_features_match_hf_on_the_real_target(tmp_path):
     if not (REAL_TARGET / "config.json").is_file():
         pytest.skip(f"real target not prepared at {REAL_TARGET}")
     from draftsmith.train.data.chat import tokenize_conversation
-    from draftsmith.train.target.load import load_tokenizer
+    from draftsmith.train.target_model.load import load_tokenizer
 
     tok = load_tokenizer(REAL_TARGET)
     rows = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.errors import UsageError
+from .errors import UsageError
 
 __all__ = [
     "DEVICE_HELP",

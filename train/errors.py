@@ -36,8 +36,8 @@ class RunError(RuntimeError):
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code for a known error, or None for an unexpected one (a bug: traceback)."""
-    from draftsmith.train.config import ConfigError
-    from draftsmith.train.safety import DiskSpaceError, OutputLockedError
+    from .config import ConfigError
+    from .safety import DiskSpaceError, OutputLockedError
 
     if isinstance(exc, (UsageError, ConfigError)):
         return EXIT_USAGE

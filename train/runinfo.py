@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from draftsmith.train.errors import UsageError
+from .errors import UsageError
 
 if TYPE_CHECKING:
-    from draftsmith.train.safety import OutputLock
+    from .safety import OutputLock
 
 
 class OutputExistsError(UsageError, FileExistsError):
@@ -75,7 +75,7 @@ def run_info(device: Any = None) -> dict[str, Any]:
         commit = None
     import torch
 
-    from draftsmith.train.device import device_facts
+    from .device import device_facts
 
     return {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
@@ -136,7 +136,7 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 
 
 def _raise_if_disk_full(exc: BaseException, path: Path, need: int) -> None:
-    from draftsmith.train.safety import DiskSpaceError, disk_full
+    from .safety import DiskSpaceError, disk_full
 
     if not isinstance(exc, DiskSpaceError) and disk_full(exc):
         raise DiskSpaceError(path, need) from exc
@@ -200,7 +200,7 @@ def output_lock(path: str | Path, what: str) -> OutputLock:
     copy, and ``OutputLock``'s own choice (inside a suffix-less path) would turn a file output
     without a suffix into a directory.
     """
-    from draftsmith.train.safety import OutputLock
+    from .safety import OutputLock
 
     path = Path(path)
     return OutputLock(path, what=what, lock_path=path.with_name(path.name + ".lock"))
@@ -274,7 +274,7 @@ def staged_dir(out: str | Path, *, overwrite: bool, need_bytes: int = 0) -> Iter
         OutputExistsError: ``out`` exists and ``overwrite`` is False.
         DiskSpaceError: not enough free space, before or during the write.
     """
-    from draftsmith.train.safety import ensure_free_space, make_readable
+    from .safety import ensure_free_space, make_readable
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from draftsmith.train import safety
-from draftsmith.train.core.dist import any_rank
-from draftsmith.train.core.stop import NonFiniteError, non_finite_parameters
-from draftsmith.train.errors import RunError, UsageError
-from draftsmith.train.runinfo import finite_json
+from .. import safety
+from ..errors import RunError, UsageError
+from ..runinfo import finite_json
+from .dist import any_rank
+from .stop import NonFiniteError, non_finite_parameters
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.train.config import cfg_field
-from draftsmith.train.device import DEVICE_HELP, device_problem
+from ..config import cfg_field
+from ..device import DEVICE_HELP, device_problem
 
 # Why fp16 autocast is refused: its loss scaling skips every step whose scaled gradients
 # overflow, which the run's non-finite check would report as a fault and stop on.

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.errors import UsageError
+from ..errors import UsageError
 
 # The command that turns prompts into training data (the answers the target gives).
 DISTILL_HINT = "draftsmith data distill --input <prompts.jsonl> --output <data.jsonl>"
@@ -117,8 +117,8 @@ def load_samples(
         ``(dataset, summary)``; ``summary`` is the tokenization's ``DataSummary`` (what was
         dropped and why), None for tokenized data.
     """
-    from draftsmith.train.data.tokenize import build_dataset
-    from draftsmith.train.data.vocab import load_token_data
+    from ..data.tokenize import build_dataset
+    from ..data.vocab import load_token_data
 
     path = Path(path)
     summary = None
@@ -287,11 +287,11 @@ def input_errors() -> Iterator[None]:
     file, a chat-template problem, a target that cannot be loaded, a cache that does not match);
     they are the user's to fix, not a bug to show a traceback for.
     """
-    from draftsmith.train.data.chat import TemplateError
-    from draftsmith.train.data.files import DataFileError
-    from draftsmith.train.errors import RunError
-    from draftsmith.train.features.cache_format import CacheError
-    from draftsmith.train.target.load import TargetError
+    from ..data.chat import TemplateError
+    from ..data.files import DataFileError
+    from ..errors import RunError
+    from ..features.cache_format import CacheError
+    from ..target_model.load import TargetError
 
     try:
         yield

@@ -158,8 +158,8 @@ def setup_fsdp(accelerator: Any) -> list[str] | None:
     """
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from draftsmith.train.core.accelerate_compat import set_distributed_type
-    from draftsmith.train.errors import UsageError
+    from ..errors import UsageError
+    from .accelerate_compat import set_distributed_type
 
     state = accelerator.state
     if state.distributed_type == DistributedType.MULTI_CPU and fsdp_requested():
@@ -225,7 +225,7 @@ def shard_frozen_target(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from draftsmith.train.errors import UsageError
+    from ..errors import UsageError
 
     names = list(layer_classes or getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]

@@ -55,12 +55,15 @@ from typing import Any
 
 import torch
 
-from draftsmith.train import safety
-from draftsmith.train.config import config_to_dict, dump_config
-from draftsmith.train.core import checkpoint as ckpt
-from draftsmith.train.core.config import TrainConfig
-from draftsmith.train.core.data import DataPosition, check_inputs
-from draftsmith.train.core.dist import (
+from .. import safety
+from ..config import config_to_dict, dump_config
+from ..device import is_cpu, resolve_device
+from ..errors import RunError, UsageError
+from ..runinfo import finite_json
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import DataPosition, check_inputs
+from .dist import (
     any_rank,
     broadcast_module,
     full_state_dict,
@@ -70,10 +73,7 @@ from draftsmith.train.core.dist import (
     start_processes,
     teardown,
 )
-from draftsmith.train.core.stop import NonFiniteError, StopSignals
-from draftsmith.train.device import is_cpu, resolve_device
-from draftsmith.train.errors import RunError, UsageError
-from draftsmith.train.runinfo import finite_json
+from .stop import NonFiniteError, StopSignals
 
 BEST = "best"
 
@@ -351,7 +351,7 @@ class TrainRun:
         """W&B (when ``report_to: wandb``); offline without an API key (``wandb sync`` later)."""
         if self.cfg.report_to != "wandb":
             return
-        from draftsmith.train.runinfo import wandb_mode
+        from ..runinfo import wandb_mode
 
         self.accelerator.init_trackers(
             self.cfg.wandb_project,
@@ -582,7 +582,7 @@ class TrainRun:
         of the prepared models); a write that fails for lack of space raises DiskSpaceError and
         leaves the previous ``name`` and no temp dir.
         """
-        from draftsmith.train.runinfo import replace_dir
+        from ..runinfo import replace_dir
 
         path, tmp = self.out / name, self.out / f".{name}.tmp"
         need = need or ckpt.checkpoint_bytes(self.models, self.optimizers) // 2
@@ -614,7 +614,7 @@ class TrainRun:
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
         """Strict JSON (NaN/inf -> null) written atomically, main process only."""
-        from draftsmith.train.runinfo import write_json_atomic
+        from ..runinfo import write_json_atomic
 
         if self.is_main:
             write_json_atomic(path, data)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.errors import RunError
+from ..errors import RunError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -60,7 +60,7 @@ class StopSignals:
             # The user insists: leave now. A save in progress is a temp dir, never a checkpoint.
             # os._exit runs no exit hook: logs and output are flushed first; an open W&B run is
             # left to its files (wandb sync), as finishing it could wait for an upload.
-            from draftsmith.train.core.dist import finish_before_exit
+            from .dist import finish_before_exit
 
             print(f"\n{name} again: exiting now; finished checkpoints are kept", file=sys.stderr)
             finish_before_exit(130, trackers=False)

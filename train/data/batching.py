@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.features.cache_format import CacheError
+from ..features.cache_format import CacheError
 
 __all__ = ["Collate", "TokenDataset", "collate_hidden_states"]
 

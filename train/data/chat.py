@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from draftsmith.train.errors import UsageError
+from ..errors import UsageError
 
 __all__ = [
     "TemplateError",

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.errors import UsageError
+from ..errors import UsageError
 
 __all__ = ["FILE_SUFFIXES", "DataFileError", "Row", "input_name", "read_sources"]
 

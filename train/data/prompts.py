@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.data.chat import TemplateError, chat_token_ids
-from draftsmith.train.data.files import DataFileError
-from draftsmith.train.data.records import (
+from .chat import TemplateError, chat_token_ids
+from .files import DataFileError
+from .records import (
     HELDOUT_ID_MODULUS,
     Conversation,
     RecordError,

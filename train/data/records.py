@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.data.files import DataFileError, input_name, read_sources
+from .files import DataFileError, input_name, read_sources
 
 __all__ = [
     "HELDOUT_ID_MODULUS",

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.config import cfg_field
-from draftsmith.train.data.chat import (
+from ..config import cfg_field
+from .chat import (
     TemplateError,
     end_of_turn_ids,
     tokenize_chat,
     tokenize_text,
 )
-from draftsmith.train.data.files import DataFileError, input_name
-from draftsmith.train.data.records import Conversation, LoadSummary, load_records, select_split
+from .files import DataFileError, input_name
+from .records import Conversation, LoadSummary, load_records, select_split
 
 __all__ = [
     "DataSummary",
@@ -268,7 +268,7 @@ def main_tokenize(argv: list[str] | None = None) -> int:
         Exit code: 0 saved; 2 bad config, data or template (or nothing left to train on);
         1 the target cannot be loaded, another process writes the output, or the disk is full.
     """
-    from draftsmith.train.errors import cli_main
+    from ..errors import cli_main
 
     return cli_main(_main_tokenize, argv)
 
@@ -280,9 +280,9 @@ _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 def _main_tokenize(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
-    from draftsmith.train.config import parse_config
-    from draftsmith.train.runinfo import OutputExistsError, output_lock, staged_dir
-    from draftsmith.train.target.load import prepare_target
+    from ..config import parse_config
+    from ..runinfo import OutputExistsError, output_lock, staged_dir
+    from ..target_model.load import prepare_target
 
     cfg = parse_config(TokenizeConfig, argv, prog="draftsmith data tokenize")
     out = Path(cfg.output)

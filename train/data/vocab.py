@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.train.config import as_list, cfg_field
-from draftsmith.train.errors import UsageError, cli_main
+from ..config import as_list, cfg_field
+from ..errors import UsageError, cli_main
 
 __all__ = [
     "VOCAB_STATS_FILE",
@@ -388,7 +388,7 @@ def save_vocab_stats(
         # reproducible).
         save_file(tensors, str(tmp), metadata={"draftsmith": json.dumps(meta, sort_keys=True)})
     except Exception as exc:
-        from draftsmith.train.safety import DiskSpaceError, disk_full
+        from ..safety import DiskSpaceError, disk_full
 
         tmp.unlink(missing_ok=True)
         if disk_full(exc):
@@ -468,7 +468,7 @@ def main_vocab(argv: list[str] | None = None) -> int:
 
 
 def _main_vocab(argv: list[str]) -> int:
-    from draftsmith.train.config import parse_config
+    from ..config import parse_config
 
     cfg = parse_config(
         VocabConfig,
@@ -499,7 +499,7 @@ def _run_vocab(cfg: VocabConfig) -> dict[str, Any]:
     if vocab_size is None or (cfg.include_eos and cfg.draft_vocab_size):
         from transformers import AutoConfig, AutoTokenizer
 
-        from draftsmith.train.target.load import prepare_target
+        from ..target_model.load import prepare_target
 
         tpath = (manifest or {}).get("target", {}).get("path") if cfg.target is None else None
         tpath = tpath if tpath and Path(tpath).is_dir() else None
@@ -550,7 +550,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
 def _open_any(path: Path) -> Any:
     """A cache directory (read through its shards) or tokenized data."""
     if _read_manifest(path) is not None:
-        from draftsmith.train.features.cache_read import HiddenStateCache
+        from ..features.cache_read import HiddenStateCache
 
         return HiddenStateCache(path).token_view()
     return load_token_data(path)

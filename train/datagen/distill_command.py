@@ -23,23 +23,23 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.sampling import SamplingParams, sampling_problems
-from draftsmith.train.config import as_list, cfg_field, parse_config
-from draftsmith.train.data.files import DataFileError
-from draftsmith.train.data.prompts import DEFAULT_PROMPTS
-from draftsmith.train.data.records import SHAPES, Conversation, load_records, select_split
-from draftsmith.train.datagen.endpoint import EndpointClient, ServerInfo
-from draftsmith.train.datagen.endpoint_distill import TEMPLATE_MODES
-from draftsmith.train.datagen.resumable import meta_file
-from draftsmith.train.datagen.self_distill import (
+from ...heads.sampling import SamplingParams, sampling_problems
+from ..config import as_list, cfg_field, parse_config
+from ..data.files import DataFileError
+from ..data.prompts import DEFAULT_PROMPTS
+from ..data.records import SHAPES, Conversation, load_records, select_split
+from ..device import DEVICE_HELP, device_problem, is_cpu, resolve_device
+from ..errors import cli_main
+from ..runinfo import output_lock
+from .endpoint import EndpointClient, ServerInfo
+from .endpoint_distill import TEMPLATE_MODES
+from .resumable import meta_file
+from .self_distill import (
     DistillStats,
     check_meta,
     resolve_split,
     self_distill,
 )
-from draftsmith.train.device import DEVICE_HELP, device_problem, is_cpu, resolve_device
-from draftsmith.train.errors import cli_main
-from draftsmith.train.runinfo import output_lock
 
 __all__ = ["SelfDistillConfig", "main_distill"]
 
@@ -155,7 +155,7 @@ def main_distill(argv: list[str] | None = None) -> int:
 
 
 def _main_distill(argv: list[str]) -> int:
-    from draftsmith.train.target.load import load_target
+    from ..target_model.load import load_target
 
     cfg = parse_config(
         SelfDistillConfig,
@@ -244,8 +244,8 @@ def _distill_endpoint(
     meta: dict[str, Any],
 ) -> DistillStats:
     """The ``--endpoint`` run: our tokenizer and end-of-turn ids, the server's answers."""
-    from draftsmith.train.datagen.endpoint_distill import endpoint_distill
-    from draftsmith.train.target.load import load_tokenizer, prepare_target
+    from ..target_model.load import load_tokenizer, prepare_target
+    from .endpoint_distill import endpoint_distill
 
     path = prepare_target(cfg.target, cache_dir=cfg.cache_dir, quiet=True)
     tokenizer = load_tokenizer(path)

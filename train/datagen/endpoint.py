@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.errors import RunError, UsageError
+from ...heads.sampling import SamplingParams
+from ..errors import RunError, UsageError
 
 __all__ = [
     "TRANSIENT_STATUS",

@@ -54,17 +54,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.data.chat import end_of_turn_ids, template_fingerprint, tokenize_conversation
-from draftsmith.train.data.records import Conversation, conversation_to_record
-from draftsmith.train.datagen.endpoint import (
+from ...heads.sampling import SamplingParams
+from ..data.chat import end_of_turn_ids, template_fingerprint, tokenize_conversation
+from ..data.records import Conversation, conversation_to_record
+from ..runinfo import output_lock
+from ..safety import ensure_free_space
+from .endpoint import (
     Completion,
     EndpointClient,
     ServerInfo,
     request_seed,
 )
-from draftsmith.train.datagen.resumable import meta_file, progress_bar, write_meta, write_synced
-from draftsmith.train.datagen.self_distill import (
+from .resumable import meta_file, progress_bar, write_meta, write_synced
+from .self_distill import (
     DistillStats,
     _batch_bytes,
     _plan_turns,
@@ -72,8 +74,6 @@ from draftsmith.train.datagen.self_distill import (
     conversations_by_id,
     resume_output,
 )
-from draftsmith.train.runinfo import output_lock
-from draftsmith.train.safety import ensure_free_space
 
 __all__ = ["TEMPLATE_MODES", "endpoint_distill"]
 

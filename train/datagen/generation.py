@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.heads.sampling import SamplingParams, eos_set, logits_to_probs
+from ...heads.sampling import SamplingParams, eos_set, logits_to_probs
 
 __all__ = [
     "GeneratedSequence",

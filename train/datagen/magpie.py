@@ -46,25 +46,25 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.config import as_list
-from draftsmith.train.data.chat import template_fingerprint
-from draftsmith.train.datagen.generation import generate_batch, keyed_generator
-from draftsmith.train.datagen.prompt_filters import FilterRules, PromptIndex, check_text
-from draftsmith.train.datagen.prompt_sources import SeedPrompt
-from draftsmith.train.datagen.resumable import (
+from ...heads.sampling import SamplingParams
+from ..config import as_list
+from ..data.chat import template_fingerprint
+from ..device import device_facts
+from ..errors import UsageError
+from ..runinfo import output_lock
+from ..safety import ensure_free_space
+from .generation import generate_batch, keyed_generator
+from .prompt_filters import FilterRules, PromptIndex, check_text
+from .prompt_sources import SeedPrompt
+from .resumable import (
     BYTES_PER_TOKEN,
     meta_file,
     progress_bar,
     write_meta,
     write_synced,
 )
-from draftsmith.train.datagen.resumable import check_meta as check_resumable_meta
-from draftsmith.train.datagen.user_turn import UserPrefix, user_turn_prefix
-from draftsmith.train.device import device_facts
-from draftsmith.train.errors import UsageError
-from draftsmith.train.runinfo import output_lock
-from draftsmith.train.safety import ensure_free_space
+from .resumable import check_meta as check_resumable_meta
+from .user_turn import UserPrefix, user_turn_prefix
 
 __all__ = [
     "DEFAULT_SAMPLING",

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.train.data.files import DataFileError
-from draftsmith.train.data.records import Conversation, load_records, select_split
-from draftsmith.train.datagen.self_distill import resolve_split
+from ..data.files import DataFileError
+from ..data.records import Conversation, load_records, select_split
+from .self_distill import resolve_split
 
 __all__ = ["SeedPrompt", "load_exclusions", "load_seed_prompts"]
 

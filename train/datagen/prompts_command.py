@@ -19,22 +19,22 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.config import cfg_field, parse_config
-from draftsmith.train.data.prompts import DEFAULT_PROMPTS
-from draftsmith.train.data.records import SHAPES
-from draftsmith.train.datagen.magpie import (
+from ...heads.sampling import SamplingParams
+from ..config import cfg_field, parse_config
+from ..data.prompts import DEFAULT_PROMPTS
+from ..data.records import SHAPES
+from ..device import DEVICE_HELP, device_problem, is_cpu, resolve_device
+from ..errors import RunError, UsageError, cli_main
+from ..runinfo import output_lock
+from .magpie import (
     DEFAULT_SAMPLING,
     check_meta,
     make_prompts,
     prompt_settings,
 )
-from draftsmith.train.datagen.prompt_filters import FilterRules
-from draftsmith.train.datagen.prompt_sources import SeedPrompt, load_exclusions, load_seed_prompts
-from draftsmith.train.datagen.resumable import meta_file
-from draftsmith.train.device import DEVICE_HELP, device_problem, is_cpu, resolve_device
-from draftsmith.train.errors import RunError, UsageError, cli_main
-from draftsmith.train.runinfo import output_lock
+from .prompt_filters import FilterRules
+from .prompt_sources import SeedPrompt, load_exclusions, load_seed_prompts
+from .resumable import meta_file
 
 __all__ = ["PromptsConfig", "main_prompts"]
 
@@ -119,7 +119,7 @@ def main_prompts(argv: list[str] | None = None) -> int:
 
 
 def _main_prompts(argv: list[str]) -> int:
-    from draftsmith.train.target.load import load_target
+    from ..target_model.load import load_target
 
     cfg = parse_config(
         PromptsConfig,

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.errors import UsageError
-from draftsmith.train.runinfo import json_text
-from draftsmith.train.safety import DiskSpaceError, disk_full
+from ..errors import UsageError
+from ..runinfo import json_text
+from ..safety import DiskSpaceError, disk_full
 
 __all__ = [
     "BYTES_PER_TOKEN",

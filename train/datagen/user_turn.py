@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from draftsmith.train.data.chat import TemplateError
+from ..data.chat import TemplateError
 
 __all__ = ["UserPrefix", "user_turn_prefix"]
 

@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from draftsmith.train.errors import RunError
+from ..errors import RunError
 
 __all__ = ["default_vllm_python", "free_port", "local_vllm_server"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from draftsmith.heads.base import GenerationOutput
+from ...heads.base import GenerationOutput
 
 
 def summarize(

@@ -26,8 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.errors import UsageError
-from draftsmith.train.runinfo import json_text
+from ..errors import UsageError
+from ..runinfo import json_text
 
 __all__ = ["FORMAT", "RESULT_IRRELEVANT", "PartialRun", "partial_path"]
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.base import GenerationOutput
-from draftsmith.train.decoding.metrics import summarize
+from ...heads.base import GenerationOutput
+from .metrics import summarize
 
 #: Largest gap between the two competing tokens' logits that counts as a numerical near-tie
 #: in bf16: logits of magnitude 16-32 are spaced 0.125 apart in bf16, and a forward of another

@@ -27,10 +27,10 @@ from collections.abc import Collection
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftsmith.heads.base import Drafter, Features, GenerationOutput, Proposal
-from draftsmith.heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
-from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
-from draftsmith.train.device import DeviceTimer
+from ...heads.base import Drafter, Features, GenerationOutput, Proposal
+from ...heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
+from ..device import DeviceTimer
+from .draft_length import AdaptiveDraftLength
 
 
 def _as_prompt(prompt_ids: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:

@@ -41,7 +41,7 @@ The target an export names (the speculators ``verifier.name_or_path``, the Medus
 ``base_model_name_or_path``, every model card) is ``--target`` when given, else the target the
 training run recorded (its ``training_metrics.json`` config, the Medusa heads' or the draft's
 metadata), else the default; it is written as
-:func:`~draftsmith.train.target.load.describe_target` names it: a Hub id as given (also when the
+:func:`~draftsmith.train.target_model.load.describe_target` names it: a Hub id as given (also when the
 run loaded it from its Hub cache snapshot), not this machine's cache path, so ``vllm serve`` on
 another machine finds it; the default SmolLM2 (a dequantized GGUF) as its local directory with a
 ``target_note`` and ``original_model`` in ``draftsmith_export.json`` and the model card.
@@ -53,10 +53,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.train.config import cfg_field, parse_config
-from draftsmith.train.device import DEVICE_HELP, device_problem, resolve_device
-from draftsmith.train.errors import cli_main
-from draftsmith.train.export.common import ExportError, MissingCheckpointError, NonFiniteError
+from ..config import cfg_field, parse_config
+from ..device import DEVICE_HELP, device_problem, resolve_device
+from ..errors import cli_main
+from .common import ExportError, MissingCheckpointError, NonFiniteError
 
 __all__ = [
     "FORMATS",
@@ -134,7 +134,7 @@ def export(cfg: ExportConfig) -> Path:
     )
     target = export_target(cfg.target, Path(cfg.checkpoint))
     if cfg.format in ("speculators", "eagle3", "eagle"):
-        from draftsmith.train.export.eagle import export_drafter
+        from .eagle import export_drafter
 
         return export_drafter(
             cfg.format,
@@ -148,16 +148,16 @@ def export(cfg: ExportConfig) -> Path:
         )
     _refuse_existing(cfg)
     if cfg.format == "medusa-vllm":
-        from draftsmith.train.export.medusa import export_medusa_vllm
+        from .medusa import export_medusa_vllm
 
         return export_medusa_vllm(cfg.checkpoint, cfg.out, target_name_or_path=target, dtype=dtype)
     if cfg.format == "medusa":
-        from draftsmith.train.export.medusa import export_medusa_original
+        from .medusa import export_medusa_original
 
         return export_medusa_original(
             cfg.checkpoint, cfg.out, base_model_name_or_path=target, dtype=dtype
         )
-    from draftsmith.train.export.hf import export_hf
+    from .hf import export_hf
 
     if dtype is not None:
         raise ExportError("dtype: the hf export keeps the draft's own dtype")
@@ -172,7 +172,7 @@ def export(cfg: ExportConfig) -> Path:
 
 
 def _refuse_existing(cfg: ExportConfig) -> None:
-    from draftsmith.train.runinfo import OutputExistsError
+    from ..runinfo import OutputExistsError
 
     if Path(cfg.out).exists() and not cfg.overwrite:
         raise OutputExistsError(f"out: {cfg.out} exists; pass --overwrite to replace it")
@@ -187,10 +187,10 @@ def export_target(given: str | None, checkpoint: Path) -> str:
             None.
 
     Returns:
-        :func:`~draftsmith.train.target.load.describe_target`'s name of the given target, else
+        :func:`~draftsmith.train.target_model.load.describe_target`'s name of the given target, else
         of the recorded one, else of the default target. Nothing is downloaded or converted.
     """
-    from draftsmith.train.target.load import describe_target
+    from ..target_model.load import describe_target
 
     if given is not None:
         return describe_target(given)["target"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from draftsmith.train.errors import RunError, UsageError
+from ..errors import RunError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -80,14 +80,14 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def target_facts(name: str | None) -> dict[str, str]:
-    """:func:`~draftsmith.train.target.load.describe_target` of an exporter's target name.
+    """:func:`~draftsmith.train.target_model.load.describe_target` of an exporter's target name.
 
     Exporters call it on the name they are given (idempotent: a name it returned maps to
     itself), so library calls name targets as the CLI does. ``{}`` for None.
     """
     if not name:
         return {}
-    from draftsmith.train.target.load import describe_target
+    from ..target_model.load import describe_target
 
     return describe_target(name)
 

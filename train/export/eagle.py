@@ -58,18 +58,19 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.eagle_config import EagleConfig
-from draftsmith.heads.eagle_model import EagleDrafter
-from draftsmith.train.errors import RunError
-from draftsmith.train.export.common import (
+from ...heads.eagle_config import EagleConfig
+from ...heads.eagle_model import EagleDrafter
+from ..errors import RunError
+from ..runinfo import json_text, staged_dir
+from .common import (
     ExportError,
     MissingCheckpointError,
     check_finite,
     target_facts,
     tensor_bytes,
 )
-from draftsmith.train.export.eagle_card import INFO_FILE, model_card, provenance
-from draftsmith.train.export.eagle_config import (
+from .eagle_card import INFO_FILE, model_card, provenance
+from .eagle_config import (
     CONFIG_FILE,
     config_from_export,
     dtype_name,
@@ -79,7 +80,6 @@ from draftsmith.train.export.eagle_config import (
     speculators_config,
     verifier_architectures_of,
 )
-from draftsmith.train.runinfo import json_text, staged_dir
 
 __all__ = [
     "FORMATS",
@@ -167,7 +167,7 @@ def _read_drafter(src: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
     """Config and tensors of a saved drafter, checked against each other."""
     from safetensors.torch import load_file
 
-    from draftsmith.heads.eagle import DRAFTER_FORMAT
+    from ...heads.eagle import DRAFTER_FORMAT
 
     try:
         raw = json.loads((src / CONFIG_FILE).read_text())
@@ -276,7 +276,7 @@ def export_drafter(
             load it (HF id or path); ``vllm serve <out_dir>`` starts this model. The other
             formats name it in the model card's usage lines only (SGLang and vLLM take the
             target on their command line). Recorded as
-            :func:`~draftsmith.train.target.load.describe_target` names it: a Hub cache
+            :func:`~draftsmith.train.target_model.load.describe_target` names it: a Hub cache
             snapshot directory becomes its Hub id.
         verifier_architectures: ``speculators``: the target's architectures (default: read
             from a local verifier directory or the Hub cache, else ``["LlamaForCausalLM"]``).
@@ -316,7 +316,7 @@ def export_drafter(
     cfg, state = _read_drafter(src)
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        from draftsmith.train.runinfo import OutputExistsError
+        from ..runinfo import OutputExistsError
 
         raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     want = _resolve_dtype(dtype, state)

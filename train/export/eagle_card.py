@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftsmith.heads.eagle_config import EagleConfig
-from draftsmith.train.export.common import ExportError, target_card_lines
-from draftsmith.train.export.eagle_config import CONFIG_FILE, read_json
+from ...heads.eagle_config import EagleConfig
+from .common import ExportError, target_card_lines
+from .eagle_config import CONFIG_FILE, read_json
 
 __all__ = ["INFO_FILE", "model_card", "provenance"]
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.eagle_config import EagleConfig
-from draftsmith.train.export.common import ExportError
+from ...heads.eagle_config import EagleConfig
+from .common import ExportError
 
 __all__ = [
     "CONFIG_FILE",

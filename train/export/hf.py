@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.train.device import device_facts, resolve_device
-from draftsmith.train.errors import RunError
-from draftsmith.train.export.common import (
+from ..device import device_facts, resolve_device
+from ..errors import RunError
+from ..runinfo import OutputExistsError, json_text, staged_dir
+from .common import (
     ExportError,
     MissingCheckpointError,
     check_finite,
@@ -35,7 +36,6 @@ from draftsmith.train.export.common import (
     target_facts,
     tensor_bytes,
 )
-from draftsmith.train.runinfo import OutputExistsError, json_text, staged_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -213,7 +213,7 @@ def export_hf(
         overwrite: replace an existing ``out_dir``.
         target_name_or_path: the target the card names (default: the one the draft's
             ``draftsmith_draft.json`` records); either is named as
-            :func:`~draftsmith.train.target.load.describe_target` names it.
+            :func:`~draftsmith.train.target_model.load.describe_target` names it.
         device: where the reload check runs both models (a ``device`` setting or a
             ``torch.device``; ``auto``: the first GPU when there is one, else the CPU). The
             weights are written from the CPU either way; ``checked_on`` in

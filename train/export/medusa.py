@@ -27,7 +27,7 @@ Both exports are written to a temporary directory beside ``out_dir`` and moved i
 users, dead writers' temp dirs removed), so ``out_dir`` never holds a half-written export.
 Heads holding NaN or inf are refused. Each gets a short README.md and a
 ``draftsmith_export.json`` (format, source, the target as
-:func:`~draftsmith.train.target.load.describe_target` names it, with ``target_note`` /
+:func:`~draftsmith.train.target_model.load.describe_target` names it, with ``target_note`` /
 ``original_model`` for a converted GGUF target).
 """
 
@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from draftsmith.heads.medusa import ACCURACY_FILE, FORMAT, WEIGHTS_FILE, MedusaHeads, load_medusa
-from draftsmith.train.export.common import (
+from ...heads.medusa import ACCURACY_FILE, FORMAT, WEIGHTS_FILE, MedusaHeads, load_medusa
+from ..runinfo import json_text, staged_dir
+from .common import (
     ExportError,
     MissingCheckpointError,
     check_finite,
@@ -48,8 +49,7 @@ from draftsmith.train.export.common import (
     target_facts,
     tensor_bytes,
 )
-from draftsmith.train.export.eagle_card import INFO_FILE
-from draftsmith.train.runinfo import json_text, staged_dir
+from .eagle_card import INFO_FILE
 
 __all__ = [
     "ORIGINAL_WEIGHTS",

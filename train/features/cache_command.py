@@ -21,20 +21,20 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.config import cfg_field
-from draftsmith.train.core.dist import process_state
-from draftsmith.train.data.vocab import load_token_data
-from draftsmith.train.device import (
+from ..config import cfg_field
+from ..core.dist import process_state
+from ..data.vocab import load_token_data
+from ..device import (
     DEVICE_HELP,
     device_facts,
     device_problem,
     is_cpu,
     resolve_device,
 )
-from draftsmith.train.errors import UsageError, cli_main
-from draftsmith.train.features.cache_format import DTYPES, CacheError
-from draftsmith.train.features.cache_write import build_cache
-from draftsmith.train.features.source import check_layers, default_layers, scan_token_data
+from ..errors import UsageError, cli_main
+from .cache_format import DTYPES, CacheError
+from .cache_write import build_cache
+from .source import check_layers, default_layers, scan_token_data
 
 __all__ = ["CacheConfig", "main_cache", "run_cache"]
 
@@ -182,7 +182,7 @@ def main_cache(argv: list[str] | None = None) -> int:
 
 
 def _main_cache(argv: list[str]) -> int:
-    from draftsmith.train.config import parse_config
+    from ..config import parse_config
 
     cfg = parse_config(
         CacheConfig,
@@ -209,7 +209,7 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
     With ``backend="vllm"`` the target is a vLLM engine started for the run
     (:func:`_vllm_target`) and shut down when the cache is built or the build fails.
     """
-    from draftsmith.train.target.load import load_target
+    from ..target_model.load import load_target
 
     state = process_state()
     for spreads, what in (
@@ -276,7 +276,7 @@ def _device(cfg: CacheConfig, state: Any) -> torch.device:
 
 def _build(cfg: CacheConfig, model: Any, tokenizer: Any, data: Any, state: Any) -> dict[str, Any]:
     """:func:`build_cache` for a loaded target (an HF model or a ``VllmTarget``)."""
-    from draftsmith.train.data.chat import template_fingerprint
+    from ..data.chat import template_fingerprint
 
     layers = cfg.layers or default_layers(cfg.preset, int(model.config.num_hidden_layers))
     eos = []
@@ -316,8 +316,8 @@ def _vllm_target(cfg: CacheConfig, data: Any, state: Any) -> Iterator[tuple[Any,
     """
     from transformers import AutoConfig
 
-    from draftsmith.train.features.vllm_backend import vllm_target
-    from draftsmith.train.target.load import load_tokenizer, prepare_target
+    from ..target_model.load import load_tokenizer, prepare_target
+    from .vllm_backend import vllm_target
 
     target_dir = prepare_target(
         cfg.target, cache_dir=cfg.cache_dir, quiet=not state.is_main_process

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.train import safety
-from draftsmith.train.errors import UsageError
+from .. import safety
+from ..errors import UsageError
 
 __all__ = [
     "DTYPES",

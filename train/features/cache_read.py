@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.train.features.cache_format import (
+from .cache_format import (
     DTYPE_NAMES,
     DTYPES,
     FORMAT,

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.train import safety
-from draftsmith.train.features.cache_format import META_KEY, DiskSpaceError
-from draftsmith.train.features.source import run_target
+from .. import safety
+from .cache_format import META_KEY, DiskSpaceError
+from .source import run_target
 
 __all__ = [
     "Plan",

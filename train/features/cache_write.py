@@ -35,11 +35,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from draftsmith.heads.base import unwrap_model
-from draftsmith.train.core.dist import process_state
-from draftsmith.train.data.vocab import VOCAB_STATS_FILE, save_vocab_stats, token_counts
-from draftsmith.train.device import device_facts
-from draftsmith.train.features.cache_format import (
+from ...heads.base import unwrap_model
+from ..core.dist import process_state
+from ..data.vocab import VOCAB_STATS_FILE, save_vocab_stats, token_counts
+from ..device import device_facts
+from ..runinfo import json_text, output_lock
+from ..safety import fmt_bytes, free_bytes
+from .cache_format import (
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
@@ -49,7 +51,7 @@ from draftsmith.train.features.cache_format import (
     CacheError,
     DiskSpaceError,
 )
-from draftsmith.train.features.cache_shards import (
+from .cache_shards import (
     Plan,
     compute_shard,
     make_plan,
@@ -58,14 +60,12 @@ from draftsmith.train.features.cache_shards import (
     shard_ok,
     write_shard,
 )
-from draftsmith.train.features.source import (
+from .source import (
     HASH_SCHEME,
     check_layers,
     scan_token_data,
     target_fingerprint,
 )
-from draftsmith.train.runinfo import json_text, output_lock
-from draftsmith.train.safety import fmt_bytes, free_bytes
 
 if TYPE_CHECKING:
     from accelerate import PartialState

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from draftsmith.heads.base import unwrap_model
-from draftsmith.train.data.batching import Collate, TokenDataset
-from draftsmith.train.data.vocab import iter_token_chunks
-from draftsmith.train.features.cache_format import CacheError
-from draftsmith.train.features.cache_read import HiddenStateCache
+from ...heads.base import unwrap_model
+from ..data.batching import Collate, TokenDataset
+from ..data.vocab import iter_token_chunks
+from .cache_format import CacheError
+from .cache_read import HiddenStateCache
 
 __all__ = [
     "HASH_SCHEME",

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.train.errors import RunError, UsageError
+from ..errors import RunError, UsageError
 
 __all__ = [
     "EXTRACT_SCRIPT",
@@ -441,7 +441,7 @@ def vllm_target(
 
     Args:
         target_dir: the prepared Hugging Face directory
-            (:func:`~draftsmith.train.target.load.prepare_target`).
+            (:func:`~draftsmith.train.target_model.load.prepare_target`).
         layers: feature layers to extract.
         python: the vLLM venv's python (default: :func:`find_vllm_python`).
         dtype: ``auto`` (vLLM's choice) or ``fp32``/``bf16``/``fp16``.

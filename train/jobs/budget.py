@@ -452,8 +452,8 @@ def probe_rates(
     """
     import torch
 
-    from draftsmith.train.device import DeviceTimer, device_facts
-    from draftsmith.train.target.load import load_target
+    from ..device import DeviceTimer, device_facts
+    from ..target_model.load import load_target
 
     eval_dtype = eval_dtype or torch.bfloat16
     timer = DeviceTimer(device)
@@ -504,8 +504,8 @@ def _measure(
     """The four probes on a loaded bf16 target; tokens/s keyed as :data:`PROBE_REFERENCE`."""
     import torch
 
-    from draftsmith.train.datagen.generation import generate_batch
-    from draftsmith.train.features.source import default_layers, run_target
+    from ..datagen.generation import generate_batch
+    from ..features.source import default_layers, run_target
 
     config = model.config
     rows, width = PROBE_SHAPE
@@ -563,8 +563,8 @@ def _train_seconds(
     of ``ids``), as the train stage runs it: fp32 drafter, bf16 autocast, clipping, AdamW."""
     import torch
 
-    from draftsmith.heads.eagle import EagleConfig, build_drafter
-    from draftsmith.train.objectives.eagle_ttt import eagle3_ttt_loss
+    from ...heads.eagle import EagleConfig, build_drafter
+    from ..objectives.eagle_ttt import eagle3_ttt_loss
 
     config = model.config
     eagle = EagleConfig.from_target(

@@ -30,9 +30,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.errors import RunError, UsageError
-from draftsmith.train.report.text import minutes
-from draftsmith.train.runinfo import run_info, write_json_atomic
+from ..errors import RunError, UsageError
+from ..report.text import minutes
+from ..runinfo import run_info, write_json_atomic
 
 __all__ = [
     "Stage",
@@ -319,7 +319,7 @@ def _fresh_accelerate_state() -> None:
     mixed precision; accelerate keeps both for the life of the process and refuses an Accelerator
     whose settings differ from an earlier one (the conftest does the same between tests).
     """
-    from draftsmith.train.core.accelerate_compat import reset_accelerate_state
+    from ..core.accelerate_compat import reset_accelerate_state
 
     reset_accelerate_state()
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from draftsmith.heads.draft_lm import check_vocab_compatible, layer_pruned_copy
+from ...heads.draft_lm import check_vocab_compatible, layer_pruned_copy
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.base import unwrap_model
-from draftsmith.heads.eagle_model import EagleCache
+from ...heads.base import unwrap_model
+from ...heads.eagle_model import EagleCache
 
 __all__ = [
     "eagle1_loss",

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
+from ...heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
 
 __all__ = [
     "HEAD_LABELS",

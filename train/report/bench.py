@@ -15,16 +15,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.decoding.metrics import identical_text
-from draftsmith.train.errors import UsageError
-from draftsmith.train.report.plots import write_plots
-from draftsmith.train.report.recommend import load_costs, recommend
-from draftsmith.train.report.text import (
+from ..decoding.metrics import identical_text
+from ..errors import UsageError
+from ..runinfo import busy_warning, write_json_atomic
+from .plots import write_plots
+from .recommend import load_costs, recommend
+from .text import (
     fmt_number,
     is_finite_number,
     markdown_table,
 )
-from draftsmith.train.runinfo import busy_warning, write_json_atomic
 
 __all__ = [
     "RESULT_COLUMNS",
@@ -431,7 +431,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         lines += [markdown_table(cols, rows), ""]
     served = report.get("served")
     if served:
-        from draftsmith.train.report.served import SERVED_COLUMNS, served_rows
+        from .served import SERVED_COLUMNS, served_rows
 
         version = served.get("vllm_version") or "?"
         lines += [

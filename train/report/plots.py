@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.report.text import is_finite_number
+from .text import is_finite_number
 
 __all__ = ["PLOTS", "write_plots", "write_quickstart_plots"]
 

@@ -12,10 +12,10 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftsmith.train.report.text import fmt_number, minutes
+from .text import fmt_number, minutes
 
 if TYPE_CHECKING:
-    from draftsmith.train.jobs.budget import Plan
+    from ..jobs.budget import Plan
 
 __all__ = ["plan_lines", "summary_lines", "summary_markdown", "vllm_serve_command"]
 
@@ -25,11 +25,11 @@ def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
     builds ``speculative_config``: method, num_speculative_tokens, model).
 
     The target is named as the export names its verifier
-    (:func:`~draftsmith.train.target.load.describe_target`): a Hub id stays one, and a Hub
+    (:func:`~draftsmith.train.target_model.load.describe_target`): a Hub id stays one, and a Hub
     cache snapshot directory (what a Hub id was loaded from) becomes its id again, so the line
     also works on a machine with another cache; a local directory is its absolute path.
     """
-    from draftsmith.train.target.load import describe_target
+    from ..target_model.load import describe_target
 
     name = describe_target(str(target))["target"]
     spec = {"method": "eagle3", "num_speculative_tokens": k, "model": str(export)}

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.train.decoding.draft_length import load_cost_profile, predicted_speedups
-from draftsmith.train.errors import UsageError
+from ..decoding.draft_length import load_cost_profile, predicted_speedups
+from ..errors import UsageError
 
 __all__ = [
     "DEFAULT_COST_PROFILES",

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftsmith.heads import registry
-from draftsmith.heads.sampling import SamplingParams
-from draftsmith.train.decoding.results import summarize_entries
-from draftsmith.train.errors import UsageError
+from ...heads import registry
+from ...heads.sampling import SamplingParams
+from ..decoding.results import summarize_entries
+from ..errors import UsageError
 
 __all__ = [
     "TAU_GAP",
@@ -329,7 +329,7 @@ def serving(plan: ServedPlan, target: str, *, python: str | None, dtype: str, ma
     if plan.url is not None:
         yield plan.url
         return
-    from draftsmith.train.datagen.vllm_server import local_vllm_server
+    from ..datagen.vllm_server import local_vllm_server
 
     extra = ["--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     if plan.speculative_config is not None:
@@ -384,11 +384,11 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
         runs: ``(temperature, results file, command)`` of the bench's evaluate runs.
         stem: the bench's output stem; exports go to ``<stem>_served/``.
     """
-    from draftsmith.train.data.prompts import load_prompts, render_prompt
-    from draftsmith.train.datagen.endpoint import EndpointClient
-    from draftsmith.train.errors import RunError
-    from draftsmith.train.export.command import main as export_main
-    from draftsmith.train.target.load import load_tokenizer, prepare_target
+    from ..data.prompts import load_prompts, render_prompt
+    from ..datagen.endpoint import EndpointClient
+    from ..errors import RunError
+    from ..export.command import main as export_main
+    from ..target_model.load import load_tokenizer, prepare_target
 
     ecfg = json.loads(Path(runs[0][1]).read_text())["config"]
     split = {"auto": None if ecfg.get("prompts") else "heldout", "all": None}.get(
@@ -508,7 +508,7 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
 
 def served_rows(served: dict[str, Any] | None) -> list[list[str]]:
     """The served table's rows: one per server and concurrency."""
-    from draftsmith.train.report.text import fmt_number
+    from .text import fmt_number
 
     rows = []
     for row in (served or {}).get("rows", []):

