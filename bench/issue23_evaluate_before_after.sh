@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 23's "behaviour unchanged" check: the same evaluate commands on the code before issue 23
 # (a worktree of 6e1395b, imported through a PYTHONPATH of symlinks) and after it, on the first 4
-# held-out prompts of ../shared/data/alpaca_2k.jsonl (ids 9, 19, 29, 39: id % 10 == 9).
+# held-out prompts of evaluate's default prompt set (train/data/prompt_sets/chat_prompts.jsonl,
+# split heldout: ids 1, 3, 5, 7).
 #   git worktree add /tmp/base 6e1395b
 #   mkdir -p /tmp/basepkg/draftsmith && for d in train heads recipes; do
 #       ln -sfn /tmp/base/$d /tmp/basepkg/draftsmith/$d; done

@@ -54,8 +54,13 @@ class Proposal:
         tokens: ``[n]`` long, ``0 <= n <= k``. n = 0 means "no guess": the step becomes a plain
             decoding step.
         probs: ``[n, V]`` float, the processed draft distribution q each token was sampled from
-            (row i is q for ``tokens[i]``). None means the drafter is deterministic (q is one-hot
-            on its token), as for n-gram lookup or greedy drafting.
+            (row i is q for ``tokens[i]``), given everything drawn before it: for a chain, the
+            tokens before it; for a tree, its path and its earlier siblings. Siblings drawn
+            i.i.d. (with replacement) share one row; siblings drawn without replacement carry q
+            with the earlier siblings' tokens zeroed and renormalised. The loop's acceptance is
+            lossless only if each row is the distribution its token was really drawn from. None
+            means the drafter is deterministic (q is one-hot on each token: its candidates are a
+            function of ``ids`` alone), as for n-gram lookup, greedy drafting or top-k trees.
         parents: ``[n]`` long, tree drafts only: index of each node's parent in ``tokens``, -1 for
             children of the root (the last accepted token). Parents come before children. None
             means a chain (node i's parent is i-1).
@@ -228,16 +233,14 @@ class DrafterKind:
         help: a few words for ``--help`` after the kind's name.
         uses: :class:`BuildOptions` fields that only this kind (and others listing them)
             reads; a run that sets one without such a kind is refused.
-        vllm: how vLLM serves the spec's drafter: ``vllm(path)`` -> ``(export format or None,
-            vLLM speculative method)``, or a string saying why it is not served (used by
-            ``draftsmith bench --vllm-python``, train/report/served.py); None: not served.
+
+    How vLLM serves a kind is its family's (:func:`draftsmith.heads.families.vllm_serving`).
     """
 
     build: Callable[[str | None, BuildOptions], Any]
     path: Literal["required", "optional", "none"] = "none"
     help: str = ""
     uses: tuple[str, ...] = ()
-    vllm: Callable[[str | None], tuple[str | None, str] | str] | None = None
 
 
 def unwrap_model(model: torch.nn.Module) -> Any:

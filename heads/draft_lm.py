@@ -270,7 +270,4 @@ DRAFT_LM = DrafterKind(
     help="a draft LM with the target's vocabulary; without DIR: draft_model, else an untrained "
     "layer-pruned copy of the target, draft_layers",
     uses=("draft_model", "draft_layers"),
-    vllm=lambda path: (
-        ("hf", "draft_model") if path else "give draft-lm=DIR: an unsaved draft cannot be served"
-    ),
 )

@@ -228,24 +228,13 @@ def build_proposer(path: str | None, options: BuildOptions, tree: bool = False) 
     return proposer
 
 
-def vllm_serving(path: str | None) -> tuple[str, str] | str:
-    """How vLLM serves a saved drafter: EAGLE-3 in the speculators format, EAGLE-1 as ``eagle``."""
-    try:
-        version = json.loads((Path(path or "") / CONFIG_FILE).read_text()).get("version")
-    except (OSError, json.JSONDecodeError) as exc:
-        return f"cannot read the drafter's {CONFIG_FILE} ({exc})"
-    return ("speculators", "eagle3") if version == 3 else ("eagle", "eagle")
-
-
 EAGLE = DrafterKind(
     build_proposer,
     path="required",
     help="EAGLE-1 or EAGLE-3 drafter, chain",
-    vllm=vllm_serving,
 )
 EAGLE_TREE = DrafterKind(
     lambda path, options: build_proposer(path, options, tree=True),
     path="required",
     help="EAGLE-2 dynamic tree",
-    vllm=lambda path: "the bench serves chains; serve eagle=DIR for this drafter",
 )

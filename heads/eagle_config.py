@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
+from .families import FAMILIES
+
 __all__ = ["EagleConfig"]
 
 
@@ -150,7 +152,8 @@ class EagleConfig:
             version: 1 or 3.
             draft_vocab_size: EAGLE-3 draft vocab size (default: the full vocab); must be None
                 or equal to the vocab size for EAGLE-1.
-            feature_layers: target layers the drafter reads (default: ``[N]`` for EAGLE-1,
+            feature_layers: target layers the drafter reads (default: its family's
+                :attr:`~draftsmith.heads.families.Family.feature_layers`, ``[N]`` for EAGLE-1,
                 ``[2, N//2, N-3]`` for EAGLE-3).
             norm_before_residual: see the class docstring.
         """
@@ -159,8 +162,8 @@ class EagleConfig:
         theta, scaling = _rope_from_target(c)
         heads = int(c.num_attention_heads)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        if feature_layers is None:
-            feature_layers = [2, n // 2, n - 3] if version == 3 else [n]
+        if feature_layers is None:  # the family's rule (heads/families.py)
+            feature_layers = FAMILIES[f"eagle{version}"].feature_layers(n)
         return cls(
             version=version,
             hidden_size=int(c.hidden_size),

@@ -11,7 +11,7 @@ import torch
 
 from .base import Features, Proposal, unwrap_model
 from .eagle_model import EagleCache, EagleDrafter
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, choose, logits_to_probs
 
 __all__ = ["EagleProposer"]
 
@@ -28,8 +28,11 @@ class EagleProposer:
 
     Args:
         drafter: a trained (or fresh) drafter (no dropout: train/eval mode does not matter).
-        tree: draft an EAGLE-2 dynamic tree (Li et al. 2024b, §4) instead of a chain. Trees are
-            verified greedily only: with sampling (temperature > 0) the proposer drafts a chain.
+        tree: draft an EAGLE-2 dynamic tree (Li et al. 2024b, §4) instead of a chain, at every
+            temperature. With sampling the tree is built over the processed draft distribution
+            (temperature, top-k, top-p) and its nodes are top-k candidates, a function of the
+            accepted prefix: the proposal has no probs (q one-hot) and the loop verifies each
+            node's children with the residual rule (SpecInfer §4.2 / Alg. 2; EAGLE-2's code).
         topk: tree branching: children per expanded node and nodes expanded per depth
             (EAGLE-2 uses 10 on GPU; 4 suits CPU).
         total_tokens: most tree nodes returned, the best by cumulative draft log-probability
@@ -109,8 +112,8 @@ class EagleProposer:
     ) -> Proposal:
         """Draft k tokens (chain) or a tree of depth <= k after ``ids``."""
         last = self._catch_up(ids)
-        if self.tree and sampling.greedy:
-            return self._propose_tree(last, k)
+        if self.tree:
+            return self._propose_tree(last, k, sampling)
         return self._propose_chain(last, k, sampling, generator)
 
     def _propose_chain(
@@ -137,7 +140,7 @@ class EagleProposer:
             probs=None if sampling.greedy else torch.stack(probs),
         )
 
-    def _propose_tree(self, hidden: torch.Tensor, depth: int) -> Proposal:
+    def _propose_tree(self, hidden: torch.Tensor, depth: int, sampling: SamplingParams) -> Proposal:
         """EAGLE-2 dynamic tree (Li et al. 2024b, §4.1 expansion, §4.2 reranking).
 
         Expansion: at each depth, the ``topk`` nodes of the newest layer with the highest
@@ -146,6 +149,11 @@ class EagleProposer:
         ``total_tokens`` nodes with the best cumulative log-prob are kept. Log-probs are <= 0,
         so a child never outscores its parent; ties are broken by creation order (parents are
         created first), hence the kept set always contains every kept node's ancestors.
+
+        Log-probabilities are the draft's raw ones when greedy and, when sampling, those of its
+        processed distribution (temperature, top-k, top-p), whose zeros are not added as
+        children. The nodes are top-k candidates, not samples, so the proposal carries no probs
+        (q one-hot on each node; the loop's multi-candidate rule, SpecInfer §4.2 / Alg. 2).
         """
         d = self.drafter
         dev = d.device
@@ -157,12 +165,18 @@ class EagleProposer:
 
         def children(h: torch.Tensor, parents: list[int], base: list[float]) -> list[int]:
             """Add the topk children of each row of h; return the new node indices."""
-            logp = torch.log_softmax(d.logits(h)[0].float(), dim=-1)  # [m, V_draft]
+            logits = d.logits(h)[0].float()  # [m, V_draft]
+            if sampling.greedy:
+                logp = torch.log_softmax(logits, dim=-1)
+            else:
+                logp = logits_to_probs(logits, sampling).log()
             val, idx = logp.topk(min(topk, logp.shape[-1]), dim=-1)
             vals, tids = val.tolist(), d.target_ids(idx).tolist()  # one device sync
             new = []
             for r, parent in enumerate(parents):
                 for c in range(len(vals[r])):
+                    if vals[r][c] == float("-inf"):  # outside the processed distribution
+                        continue
                     new.append(len(tok_list))
                     tok_list.append(tids[r][c])
                     parent_list.append(parent)

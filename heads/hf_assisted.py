@@ -254,10 +254,8 @@ HF_ASSISTED = DrafterKind(
     path="optional",
     help="the same draft LM through transformers' generate(assistant_model=...), for comparison",
     uses=("draft_model", "draft_layers"),
-    vllm=lambda path: "transformers' own loop (a reference); serve draft-lm=DIR for the draft",
 )
 HF_PROMPT_LOOKUP = DrafterKind(
     build_hf_prompt_lookup,
     help="transformers' prompt lookup, suffixes of up to ngram_max tokens",
-    vllm=lambda path: "transformers' own loop (a reference); vLLM's counterpart is ngram",
 )

@@ -19,12 +19,15 @@ Proposing (:class:`MedusaProposer`):
 * chain: the top-1 token of each head (greedy), or a sample from each head's processed
   distribution (sampling, lossless through the loop's rejection sampling: head k's q depends
   only on the accepted prefix, never on the target's randomness);
-* tree (greedy only): candidates from each head's top-k combined into a tree, verified in one
-  target forward with a tree attention mask (Medusa §2.1.2). The tree is a ``medusa_choices``
-  list in the reference's format -- each node a tuple of top-k ranks, one per depth, e.g.
-  ``(0, 2)`` = head 0's best token then head 1's third best -- or built by :func:`build_tree`
-  from per-head rank accuracies measured on validation data. With sampling the proposer falls
-  back to the chain: the loop verifies trees greedily only.
+* tree: candidates from each head's top-k combined into a tree, verified in one target forward
+  with a tree attention mask (Medusa §2.1.2). The tree is a ``medusa_choices`` list in the
+  reference's format -- each node a tuple of top-k ranks, one per depth, e.g. ``(0, 2)`` = head
+  0's best token then head 1's third best -- or built by :func:`build_tree` from per-head rank
+  accuracies measured on validation data. The same tree at every temperature: temperature,
+  top-k and top-p keep the order of the logits, so the processed distribution's top-k are the
+  logits' top-k. The nodes are top-k candidates, a function of the accepted prefix, so the
+  proposal has no probs (q one-hot) and with sampling the loop verifies each node's children by
+  multi-candidate speculative sampling (SpecInfer §4.2 / Alg. 2), lossless.
 
 Medusa's *typical acceptance* is not offered: it accepts tokens the target would not have
 produced, so its output is not the target's, and it would need changes to the shared loop.
@@ -406,9 +409,9 @@ class MedusaProposer:
         medusa_choices: tree nodes (see :func:`check_choices`); None drafts a chain.
         name: how reports call it; default ``medusa-chain`` or ``medusa-tree``.
 
-    Tree drafting is greedy only: with sampling the proposer drafts a chain (the loop verifies
-    trees greedily). ``k`` caps the chain length and the tree depth; nodes deeper than k are
-    left out of that step's tree.
+    A tree is drafted at every temperature (top-k candidates, no probs: see the module
+    docstring). ``k`` caps the chain length and the tree depth; nodes deeper than k are left out
+    of that step's tree.
     """
 
     def __init__(
@@ -456,12 +459,12 @@ class MedusaProposer:
         sampling: SamplingParams,
         generator: torch.Generator | None,
     ) -> Proposal:
-        """Chain: one token per head (up to k). Tree (greedy): the choices up to depth k."""
+        """Chain: one token per head (up to k). Tree: the choices up to depth k."""
         if self._hidden is None:
             raise RuntimeError("MedusaProposer.propose called before start()")
         depth = min(k, self.heads.num_heads)
         device = ids.device
-        if self.choices is None or not sampling.greedy:
+        if self.choices is None:
             tokens, probs = [], []
             for d in range(depth):
                 tok, q = choose(self.heads.head_logits(d, self._hidden), sampling, generator)
@@ -559,13 +562,11 @@ MEDUSA = DrafterKind(
     build_medusa,
     path="required",
     help="Medusa heads, chain",
-    vllm=lambda path: ("medusa-vllm", "medusa"),
 )
 MEDUSA_TREE = DrafterKind(
     lambda path, options: build_medusa(path, options, tree=True),
     path="required",
     help="Medusa heads, tree of tree_total_tokens nodes",
-    vllm=lambda path: "the bench serves chains; serve medusa=DIR for these heads",
 )
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import BuildOptions, DrafterKind, Features, Proposal
-from .sampling import SamplingParams
+from .base import BuildOptions, DrafterKind
+from .lookup import LookupDrafter
 
 
-class NGramDrafter:
+class NGramDrafter(LookupDrafter):
     """Propose the continuation of the most recent earlier match of the last n tokens.
 
     Args:
@@ -27,57 +27,21 @@ class NGramDrafter:
             forward on a CPU (docs/performance.md).
     """
 
-    feature_layers: tuple[int, ...] = ()
-
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
-        if min_ngram < 1 or max_ngram < min_ngram:
-            raise ValueError(
-                f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
-                f"max_ngram={max_ngram}"
-            )
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
+        super().__init__("ngram", min_ngram=min_ngram, max_ngram=max_ngram)
 
-    @property
-    def name(self) -> str:
-        """How reports call it: ``ngram[MIN-MAX]``."""
-        return f"ngram[{self.min_ngram}-{self.max_ngram}]"
-
-    def start(self, prompt_ids: torch.Tensor, features: Features | None) -> None:
-        """Nothing to prepare: the lookup reads ``ids`` at every step."""
-
-    def propose(
-        self,
-        ids: torch.Tensor,
-        k: int,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Proposal:
-        """Search ``ids`` for the last n tokens, longest n first; propose what followed.
-
-        Args:
-            ids: ``[1, T]`` accepted sequence.
-            k: most tokens to propose.
-            sampling: unused (the guess is deterministic).
-            generator: unused.
-
-        Returns:
-            Up to k tokens, or none when no suffix of length >= min_ngram occurred before.
-        """
-        seq = ids[0]
+    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """Search ``seq`` for its last n tokens, longest n first; propose what followed."""
         length = seq.shape[0]
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+        for n in range(min(self.longest, length - 1), self.shortest - 1, -1):
             # Windows over seq[:-1] start at 0..length-1-n, so the suffix itself never matches
             # and every match has at least one following token.
             windows = seq[:-1].unfold(0, n, 1)  # [length - n, n]
             hits = (windows == seq[length - n :]).all(dim=1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n
-                return Proposal(tokens=seq[start : start + k].clone())
-        return Proposal(tokens=seq.new_empty(0))
-
-    def accept(self, num_accepted: int, features: Features | None) -> None:
-        """Stateless: nothing to update."""
+                return seq[start : start + k].clone()
+        return seq.new_empty(0)
 
 
 def build_ngram(path: str | None, options: BuildOptions) -> NGramDrafter:
@@ -85,4 +49,4 @@ def build_ngram(path: str | None, options: BuildOptions) -> NGramDrafter:
     return NGramDrafter(max_ngram=options.ngram_max, min_ngram=options.ngram_min)
 
 
-NGRAM = DrafterKind(build_ngram, help="prompt lookup", vllm=lambda path: (None, "ngram"))
+NGRAM = DrafterKind(build_ngram, help="prompt lookup")

@@ -1,10 +1,11 @@
 """Every ``--drafter`` kind, in one dict: :data:`DRAFTERS` maps a kind to how it is built.
 
-A spec is ``KIND`` or ``KIND=PATH``. Each drafter module declares its kinds as
-:class:`~draftsmith.heads.base.DrafterKind` values (a builder, whether it takes a path, a line of
-help); this dict is the one place that lists them, and callers (``draftsmith evaluate``) check and
-build specs only through the functions here. Adding a drafter is one module in ``heads/`` and one
-line in :data:`DRAFTERS` (docs/design.md, "Adding a drafter").
+A spec is ``KIND`` or ``KIND=PATH``. The kinds are those of the family declaration
+(:data:`draftsmith.heads.families.FAMILIES`); each names its builder, a
+:class:`~draftsmith.heads.base.DrafterKind` in its drafter module (a builder, whether it takes a
+path, a line of help). Callers (``draftsmith evaluate``) check and build specs only through the
+functions here. Adding a drafter is one module in ``heads/`` and its family's entry
+(docs/design.md, "Adding a family").
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from . import draft_lm, eagle, hf_assisted, medusa, ngram, suffix
+from . import families
 from .base import BuildOptions, DrafterKind
 
 
@@ -22,16 +23,8 @@ def _plain(path: str | None, options: BuildOptions) -> None:
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "ngram": ngram.NGRAM,
-    "suffix": suffix.SUFFIX,
-    "draft-lm": draft_lm.DRAFT_LM,
-    "eagle": eagle.EAGLE,
-    "eagle-tree": eagle.EAGLE_TREE,
-    "medusa": medusa.MEDUSA,
-    "medusa-tree": medusa.MEDUSA_TREE,
-    "hf-assisted": hf_assisted.HF_ASSISTED,
-    "hf-prompt-lookup": hf_assisted.HF_PROMPT_LOOKUP,
-    "none": DrafterKind(_plain, help="plain decoding only"),
+    **{name: families.resolve(kind.builder) for name, kind in families.kinds().items()},
+    families.PLAIN_KIND: DrafterKind(_plain, help="plain decoding only"),
 }
 
 

@@ -19,11 +19,11 @@ from collections import Counter
 
 import torch
 
-from .base import BuildOptions, DrafterKind, Features, Proposal
-from .sampling import SamplingParams
+from .base import BuildOptions, DrafterKind
+from .lookup import LookupDrafter
 
 
-class SuffixDrafter:
+class SuffixDrafter(LookupDrafter):
     """Propose the majority continuation of the longest earlier match of the sequence's end.
 
     Args:
@@ -33,47 +33,14 @@ class SuffixDrafter:
         max_match: longest suffix compared; longer matches are rare and add little evidence.
     """
 
-    feature_layers: tuple[int, ...] = ()
-
     def __init__(self, min_match: int = 2, max_match: int = 32) -> None:
-        if min_match < 1 or max_match < min_match:
-            raise ValueError(
-                f"need 1 <= min_match <= max_match, got min_match={min_match}, "
-                f"max_match={max_match}"
-            )
-        self.min_match = min_match
-        self.max_match = max_match
+        super().__init__("suffix", min_match=min_match, max_match=max_match)
 
-    @property
-    def name(self) -> str:
-        """How reports call it: ``suffix[MIN-MAX]``."""
-        return f"suffix[{self.min_match}-{self.max_match}]"
-
-    def start(self, prompt_ids: torch.Tensor, features: Features | None) -> None:
-        """Nothing to prepare: the lookup reads ``ids`` at every step."""
-
-    def propose(
-        self,
-        ids: torch.Tensor,
-        k: int,
-        sampling: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> Proposal:
-        """Match the longest suffix of ``ids`` seen before; vote on what followed it.
-
-        Args:
-            ids: ``[1, T]`` accepted sequence.
-            k: most tokens to propose.
-            sampling: unused (the guess is deterministic).
-            generator: unused.
-
-        Returns:
-            Up to k tokens, or none when no suffix of length >= min_match occurred before.
-        """
-        seq = ids[0]
+    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+        """Match the longest suffix of ``seq`` seen before; vote on what followed it."""
         ends = self._match_ends(seq)
         if ends is None:
-            return Proposal(tokens=seq.new_empty(0))
+            return seq.new_empty(0)
         tokens = seq.tolist()
         length = len(tokens)
         # Positions of the candidate next token, one per occurrence still consistent with the
@@ -87,7 +54,7 @@ class SuffixDrafter:
             tok = tokens[max(i for i in nexts if votes[tokens[i]] == best)]
             guess.append(tok)
             nexts = [i + 1 for i in nexts if tokens[i] == tok and i + 1 < length]
-        return Proposal(tokens=torch.tensor(guess, dtype=seq.dtype, device=seq.device))
+        return torch.tensor(guess, dtype=seq.dtype, device=seq.device)
 
     def _match_ends(self, seq: torch.Tensor) -> torch.Tensor | None:
         """End positions of every earlier occurrence of the longest matched suffix, or None.
@@ -99,16 +66,13 @@ class SuffixDrafter:
         # Ends before the last position: each occurrence has a following token to propose.
         ends = (seq[:-1] == seq[-1]).nonzero().flatten()
         n = 1
-        while n < min(self.max_match, length - 1):
+        while n < min(self.longest, length - 1):
             longer = ends[ends >= n]
             longer = longer[seq[longer - n] == seq[length - 1 - n]]
             if not longer.numel():
                 break
             ends, n = longer, n + 1
-        return ends if ends.numel() and n >= self.min_match else None
-
-    def accept(self, num_accepted: int, features: Features | None) -> None:
-        """Stateless: nothing to update."""
+        return ends if ends.numel() and n >= self.shortest else None
 
 
 def build_suffix(path: str | None, options: BuildOptions) -> SuffixDrafter:
@@ -119,5 +83,4 @@ def build_suffix(path: str | None, options: BuildOptions) -> SuffixDrafter:
 SUFFIX = DrafterKind(
     build_suffix,
     help="longest-suffix lookup, most frequent continuation",
-    vllm=lambda path: "vLLM's suffix method needs arctic-inference, not in our vLLM venv",
 )

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..heads import families
 from ..train.errors import UsageError, cli_main
 
 
@@ -50,18 +51,15 @@ def _export(argv: list[str]) -> int:
     return main(argv)
 
 
-TRAIN_RECIPES = {
-    "eagle": ("draftsmith.recipes.eagle", "EAGLE-1 / EAGLE-3 drafter on the target's features"),
-    "medusa": ("draftsmith.recipes.medusa", "Medusa-1 / Medusa-2 heads on the target"),
-    "distill": ("draftsmith.recipes.distill", "a small draft LM distilled from the target"),
-}
+#: ``draftsmith train RECIPE``: the recipes of the family declaration (heads/families.py).
+TRAIN_RECIPES = families.RECIPES
 
 
 def _train(argv: list[str]) -> int:
     """``draftsmith train RECIPE ...`` = ``python recipes/RECIPE.py ...`` (same flags)."""
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in TRAIN_RECIPES:
         lines = ["usage: draftsmith train <recipe> [--config FILE] [options]", "", "recipes:"]
-        lines += [f"  {name:<10} {text}" for name, (_, text) in TRAIN_RECIPES.items()]
+        lines += [f"  {name:<10} {recipe.help}" for name, recipe in TRAIN_RECIPES.items()]
         helping = bool(argv) and argv[0] in ("-h", "--help")
         stream = sys.stdout if helping else sys.stderr
         if argv and not helping:
@@ -72,9 +70,7 @@ def _train(argv: list[str]) -> int:
             print(f"draftsmith train: unknown recipe {argv[0]!r}{hint}", file=stream)
         print("\n".join(lines), file=stream)
         return 0 if helping else 2
-    import importlib
-
-    return importlib.import_module(TRAIN_RECIPES[argv[0]][0]).main(argv[1:])
+    return families.resolve(f"{TRAIN_RECIPES[argv[0]].module}:main")(argv[1:])
 
 
 DATA_COMMANDS = {
@@ -99,7 +95,7 @@ DATA_COMMANDS = {
         "store the target's hidden states of chosen layers for offline training",
     ),
     "vocab": (
-        "draftsmith.train.data.vocab",
+        "draftsmith.train.features.vocab_command",
         "main_vocab",
         "token frequencies over supervised tokens; EAGLE-3 draft vocabulary (d2t/t2d)",
     ),
@@ -114,12 +110,11 @@ COMMAND_CONFIGS: dict[str, dict[str, tuple[str, str]]] = {
         "tokenize": ("draftsmith.train.data.tokenize", "TokenizeConfig"),
         "distill": ("draftsmith.train.datagen.distill_command", "SelfDistillConfig"),
         "cache": ("draftsmith.train.features.cache_command", "CacheConfig"),
-        "vocab": ("draftsmith.train.data.vocab", "VocabConfig"),
+        "vocab": ("draftsmith.train.features.vocab_command", "VocabConfig"),
     },
     "train": {
-        "eagle": ("draftsmith.recipes.eagle", "EagleTrainConfig"),
-        "medusa": ("draftsmith.recipes.medusa", "MedusaConfig"),
-        "distill": ("draftsmith.recipes.distill", "DistillConfig"),
+        name: (f"draftsmith.{recipe.module}", recipe.config)
+        for name, recipe in TRAIN_RECIPES.items()
     },
 }
 
@@ -141,7 +136,8 @@ def parse_command(argv: list[str]) -> Any:
     Raises:
         UsageError: ``argv`` does not name a data or train command.
         ConfigError: a value the command would refuse (named by field).
-        SystemExit: an unknown flag or a flag without its value (argparse, as the command).
+        SystemExit: a flag without its value or a value outside its choices (argparse, as the
+            command); an unknown flag is a ConfigError with the other problems.
     """
     from ..train.config import parse_config
 

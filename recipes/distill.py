@@ -316,11 +316,11 @@ def validate(
 
 def run(cfg: DistillConfig) -> dict[str, Any] | None:
     """Train a draft as ``cfg`` says; the metrics (None when stopped early with a checkpoint)."""
-    from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
     from ..train.decoding.metrics import simulated_tau
     from ..train.export.hf import save_draft
+    from ..train.progress import progress
     from ..train.runinfo import run_info
     from ..train.target_model.load import describe_target, load_target
 
@@ -444,11 +444,10 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             say(f"validation before training: {_fmt_metrics(before)}")
 
         # --- loop -----------------------------------------------------------------------------
-        bar = tqdm(
+        bar = progress(
             total=total,
             initial=step,
             desc="distill",
-            dynamic_ncols=True,
             disable=not (train_run.is_main and cfg.progress),
         )
         # The log window's sums stay on the device and are read once per logged step: no

@@ -149,7 +149,6 @@ class EagleTrainConfig(TrainConfig):
 def train(cfg: EagleTrainConfig) -> int:
     """Run the recipe; 0 when finished or stopped on purpose (a checkpoint to resume from)."""
     # Heavy imports after the config is known good: `--help` and typos answer in a second.
-    from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
     from ..heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
@@ -158,6 +157,7 @@ def train(cfg: EagleTrainConfig) -> int:
     from ..train.decoding.metrics import simulated_tau
     from ..train.features.source import feature_source, target_fingerprint
     from ..train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
+    from ..train.progress import progress
     from ..train.runinfo import run_info
     from ..train.target_model.load import load_target
 
@@ -225,7 +225,7 @@ def train(cfg: EagleTrainConfig) -> int:
                 dtype=torch.float32,
                 expect=expect,
             )
-            count_source = cfg.hidden_states_cache
+            count_source = src.dataset.token_view()  # the cached tokens (a HiddenStateCache)
         train_idx, val_idx = split_indices(len(src.dataset), cfg.val_samples, cfg.seed)
         check_enough_data(
             len(src.dataset),
@@ -340,11 +340,10 @@ def train(cfg: EagleTrainConfig) -> int:
 
         # --- loop -----------------------------------------------------------------------------
         step = run.state.step
-        bar = tqdm(
+        bar = progress(
             total=total,
             initial=step,
             desc=f"EAGLE-{cfg.version}",
-            dynamic_ncols=True,
             disable=not (run.is_main and cfg.progress),
         )
         # The log window's sums stay on the device (one row per metric of the loss, in its key

@@ -70,8 +70,8 @@ from ..train.runinfo import (
     run_info,
     sibling_load,
     wandb_mode,
-    write_json_atomic,
 )
+from ..train.staged import write_json_atomic
 from ..train.target_model.kernels import flatten_linear_inputs
 from ..train.target_model.load import TargetError, load_target
 
@@ -358,22 +358,21 @@ def main(argv: list[str] | None = None) -> int:
     spec_runs: list[list] = [[] for _ in drafters]
     new_entries: dict[str, list[dict]] = {}  # record id -> this segment's entries per method
     todo = [(r, ids) for r, ids in zip(records, prompts, strict=True) if str(r.id) not in done]
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    from ..train.progress import is_terminal, progress
 
-    columns = [
-        *Progress.get_default_columns()[:2],
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-    ]
     # A background run (SIGINT ignored) or a scheduler's SIGTERM stops it like Ctrl-C: the
     # finished prompts stay in the partial file.
     signals = StopSignals(interrupt=True).install()
-    progress = Progress(*columns, transient=not sys.stderr.isatty())
-    task = progress.add_task("evaluating", total=len(prompts), completed=len(prompts) - len(todo))
+    # Off a terminal the per-prompt lines below are the progress (with each prompt's speed).
+    bar = progress(
+        total=len(prompts),
+        initial=len(prompts) - len(todo),
+        desc="evaluating",
+        unit="prompt",
+        disable=not is_terminal(),
+    )
     start = time.perf_counter()
     try:
-        progress.start()
         for record, ids in todo:
             # Each segment measures at least one prompt, so reruns always make progress.
             elapsed = time.perf_counter() - start
@@ -407,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             new_entries[str(record.id)] = entries
             if partial is not None:
                 partial.add(str(record.id), entries)
-            progress.advance(task)
+            bar.update(1)
             if not sys.stderr.isatty():  # logs of background runs still show how it goes
                 finished = len(done) + len(new_entries)
                 line = f"[{finished}/{len(prompts)}] prompt {record.id}:"
@@ -421,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 print(line, file=sys.stderr, flush=True)
     except KeyboardInterrupt:
-        progress.stop()
+        bar.close()
         if partial is None:
             print("\ninterrupted (no --out: nothing kept)", file=sys.stderr)
             return 130
@@ -435,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 130
     finally:
-        progress.stop()
+        bar.close()
         signals.restore()
 
     # --- results ------------------------------------------------------------------------------

@@ -231,7 +231,6 @@ def validate_heads(run, cfg, objective, val_set, collate, features) -> dict[str,
 def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     """Run the recipe; returns the final metrics (None when stopped early with a checkpoint)."""
     from torch.utils.data import DataLoader, Subset
-    from tqdm.auto import tqdm
 
     from ..train.data.batching import TokenDataset, collate_hidden_states
     from ..train.data.chat import template_fingerprint
@@ -242,6 +241,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         feature_source,
         target_fingerprint,
     )
+    from ..train.progress import progress
     from ..train.runinfo import run_info
     from ..train.target_model.load import load_target, prepare_target
 
@@ -431,12 +431,8 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         window_loss = torch.zeros(3, device=accelerator.device)  # loss, target loss, batches
         params = [p for g in optimizer.param_groups for p in g["params"]]
         step = run.state.step
-        bar = tqdm(
-            total=total,
-            initial=step,
-            desc=cfg.stage,
-            dynamic_ncols=True,
-            disable=not (run.is_main and cfg.progress),
+        bar = progress(
+            total=total, initial=step, desc=cfg.stage, disable=not (run.is_main and cfg.progress)
         )
         objective.train()
         report = None

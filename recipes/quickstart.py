@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..heads import families
 from ..train.config import cfg_field, config_to_dict, parse_config
 from ..train.device import (
     DEVICE_HELP,
@@ -75,6 +76,7 @@ from ..train.jobs.budget import (
     Probe,
     Rates,
     make_plan,
+    plan_lines,
     speed_factor,
     train_schedule,
 )
@@ -90,7 +92,7 @@ from ..train.jobs.stages import (
     read_meta,
     relative_path,
 )
-from ..train.report.quickstart import plan_lines, vllm_serve_command
+from ..train.report.quickstart import vllm_serve_command
 from ..train.report.text import console, minutes
 
 __all__ = ["Quickstart", "QuickstartConfig", "main"]
@@ -105,7 +107,9 @@ PROMPTS = "data/prompts.jsonl"
 ANSWERS = "data/answers.jsonl"
 TOKENIZED = "data/tokenized"
 CACHE = "data/cache"
-RUN = "eagle3"
+#: The family the quickstart trains, and its run directory's name.
+FAMILY = families.FAMILIES["eagle3"]
+RUN = FAMILY.name
 REPORT = "eval.json"
 EXPORT = "export"
 PLOTS = "plots"
@@ -550,7 +554,7 @@ class Quickstart(StageJob):
     def _cache(self) -> Stage:
         output = self.out / CACHE
         settings = {
-            "preset": "eagle3",
+            "preset": FAMILY.name,
             "target_dtype": "bf16",
             "dtype": "bf16",
             "max_length": TRAIN_SETTINGS["max_length"],
@@ -697,7 +701,7 @@ class Quickstart(StageJob):
         argv = [
             "export",
             *flags(
-                format="speculators",
+                format=FAMILY.vllm_export().name,  # what vLLM serves
                 checkpoint=self._drafter_dir(),
                 out=output,
                 target=target,

@@ -34,7 +34,8 @@ from draftsmith.train.decoding.draft_length import AdaptiveDraftLength
 from draftsmith.train.decoding.metrics import summarize
 from draftsmith.train.decoding.speculative import generate
 from draftsmith.train.device import DeviceTimer, is_cpu, resolve_device
-from draftsmith.train.runinfo import run_info, write_json_atomic
+from draftsmith.train.runinfo import run_info
+from draftsmith.train.staged import write_json_atomic
 from draftsmith.train.target_model.load import load_target
 
 METHODS = ["hf-greedy", "plain", "hf-prompt-lookup", "ngram", "hf-assisted", "draft-lm"]

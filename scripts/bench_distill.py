@@ -47,7 +47,8 @@ from draftsmith.train.datagen.endpoint_distill import endpoint_distill
 from draftsmith.train.datagen.self_distill import DistillStats, resolve_split, self_distill
 from draftsmith.train.datagen.vllm_server import default_vllm_python, local_vllm_server
 from draftsmith.train.report.served import vllm_version
-from draftsmith.train.runinfo import machine_load, run_info, write_json_atomic
+from draftsmith.train.runinfo import machine_load, run_info
+from draftsmith.train.staged import write_json_atomic
 from draftsmith.train.target_model.load import load_target, prepare_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from draftsmith.train.decoding.speculative import _tree_inputs
     from draftsmith.train.device import DeviceTimer, is_cpu, make_generator, resolve_device
-    from draftsmith.train.runinfo import run_info, write_json_atomic
+    from draftsmith.train.runinfo import run_info
+    from draftsmith.train.staged import write_json_atomic
     from draftsmith.train.target_model.load import load_target
 
     device = resolve_device(args.device)

@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.heads.families import cache_layers
 from draftsmith.train.device import DeviceTimer, resolve_device
 from draftsmith.train.features.cache_format import DTYPES
 from draftsmith.train.features.cache_shards import compute_shard, make_plan, write_shard
-from draftsmith.train.features.source import default_layers, scan_token_data
-from draftsmith.train.runinfo import run_info, write_json_atomic
+from draftsmith.train.features.source import scan_token_data
+from draftsmith.train.runinfo import run_info
+from draftsmith.train.staged import write_json_atomic
 from draftsmith.train.target_model.load import load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(device)
 
     model, tok = load_target(args.target, device=device)
-    layers = args.layers or default_layers("eagle3", model.config.num_hidden_layers)
+    layers = args.layers or cache_layers("eagle3", model.config.num_hidden_layers)
     text = "".join(p.read_text() for p in sorted(REPO.glob("**/*.py")))
     ids = tok(text, add_special_tokens=False)["input_ids"]
     g = torch.Generator(device="cpu").manual_seed(0)  # sample lengths, drawn on the host

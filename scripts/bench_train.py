@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.features.cache_write import build_cache
     from draftsmith.train.features.source import feature_source
     from draftsmith.train.objectives.eagle_ttt import eagle3_ttt_loss
-    from draftsmith.train.runinfo import run_info, write_json_atomic
+    from draftsmith.train.runinfo import run_info
+    from draftsmith.train.staged import write_json_atomic
     from draftsmith.train.target_model.load import load_target
 
     info = run_info()
@@ -288,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def recipe_step_time(args: argparse.Namespace) -> int:
     """Seconds per optimizer step of the real recipes, this tree vs ``--ref-src``, interleaved."""
-    from draftsmith.train.runinfo import run_info, write_json_atomic
+    from draftsmith.train.runinfo import run_info
+    from draftsmith.train.staged import write_json_atomic
 
     info = run_info()
     load_before = os.getloadavg()

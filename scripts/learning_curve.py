@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.core.checkpoint import TrainerState, finished_checkpoints
     from draftsmith.train.data.prompts import load_prompts, render_prompt
     from draftsmith.train.decoding.speculative import generate
-    from draftsmith.train.runinfo import run_info, write_json_atomic
+    from draftsmith.train.runinfo import run_info
+    from draftsmith.train.staged import write_json_atomic
     from draftsmith.train.target_model.kernels import flatten_linear_inputs
     from draftsmith.train.target_model.load import load_target
 

@@ -509,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
+        # Its own temp file + rename, not draftsmith.train.staged.write_atomic: this script runs
+        # in the vLLM venv and never imports draftsmith.
         tmp_out = out.with_name(out.name + ".tmp")
         tmp_out.write_text(json.dumps(result, indent=2))
         os.replace(tmp_out, out)

@@ -12,7 +12,7 @@ from conftest import tiny_model_dir
 from draftsmith.recipes.cli import main as cli
 from draftsmith.train.decoding.draft_length import load_cost_profile, predicted_speedups
 from draftsmith.train.report import recommend
-from draftsmith.train.report.bench import results_rows
+from draftsmith.train.report.bench import RESULT_COLUMNS, results_rows
 from draftsmith.train.report.plots import PLOTS
 
 DRAFTERS = ["ngram", "draft-lm", "eagle", "eagle-tree", "hf-prompt-lookup"]
@@ -118,7 +118,16 @@ def test_bench_writes_json_markdown_and_plots(setup):
     greedy, sampled = report["runs"]
     names = [m["method"] for m in greedy["methods"]]
     assert names[0] == "ngram[2-4]" and names[-1] == "hf-prompt-lookup[1-4]"
-    assert [m["family"] for m in greedy["methods"]] == ["chain", "chain", "chain", "tree", "hf"]
+    # The family declaration's columns (heads/families.py); the EAGLE family from its checkpoint.
+    assert [m["family"] for m in greedy["methods"]] == [
+        "ngram",
+        "draft-lm",
+        "eagle3",
+        "eagle3",
+        "ngram",
+    ]
+    assert [m["shape"] for m in greedy["methods"]] == ["chain", "chain", "chain", "tree", "chain"]
+    assert [m["loop"] for m in greedy["methods"]][-1] == "transformers"
     # One baseline per run, shared by every drafter; greedy outputs are the target's own.
     assert len({m["baseline_tokens_per_second"] for m in greedy["methods"]}) == 1
     assert all(m["identical_to_target"] is True for m in greedy["methods"])
@@ -147,8 +156,10 @@ def test_bench_writes_json_markdown_and_plots(setup):
     for entry in report["runs"]:
         for m in entry["methods"]:
             method = m["method"].replace("|", "\\|")
+            family = f"{m['family']} | {m['shape']}" + (" (hf loop)" if m["loop"] != "ours" else "")
             assert any(
-                r.startswith(f"| {method} | {entry['temperature']:g} | 3 | 4 |") for r in rows
+                r.startswith(f"| {method} | {family} | {entry['temperature']:g} | 3 | 4 |")
+                for r in rows
             ), m["method"]
     assert "## Recommended draft length" in md and "## Trees (measured)" in md
     assert "## Training" in md
@@ -216,8 +227,9 @@ def test_shards_merge_into_the_rows_of_one_run(setup):
     report = json.loads(merged.with_suffix(".json").read_text())
     assert report["bench"]["merged_from"] == [str(p) for p in parts]
 
-    def counts(rows):  # every column but the timings: method, T, k, prompts, τ, α, identical
-        return [[*r[:6], r[11]] for r in rows]
+    def counts(rows):  # every column but the timings: method ... α per position, identical
+        first = RESULT_COLUMNS.index("α per position") + 1
+        return [[*r[:first], r[RESULT_COLUMNS.index("identical")]] for r in rows]
 
     full = setup["report"]
     assert counts(results_rows(report)) == counts(results_rows(full))
@@ -251,7 +263,8 @@ def test_rerun_keeps_finished_temperatures_and_continues_a_stopped_one(setup, ca
     assert "resuming:" in text and not partial_path(greedy).exists()
     full = json.loads(out.with_suffix(".json").read_text())
     ref = setup["report"]
-    assert [r[:6] for r in results_rows(full)] == [r[:6] for r in results_rows(ref)]
+    first = RESULT_COLUMNS.index("α per position") + 1
+    assert [r[:first] for r in results_rows(full)] == [r[:first] for r in results_rows(ref)]
     stamp = greedy.stat().st_mtime_ns
     assert cli(["bench", *argv, "--out", str(out)]) == 0
     text = capsys.readouterr().out

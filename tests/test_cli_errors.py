@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from draftsmith.recipes.cli import TRAIN_RECIPES
 from draftsmith.recipes.cli import main as cli
 from draftsmith.train.data.tokenize import TokenizeConfig
-from draftsmith.train.data.vocab import VocabConfig
 from draftsmith.train.datagen.distill_command import SelfDistillConfig
 from draftsmith.train.export.command import FORMATS, ExportConfig
 from draftsmith.train.features.cache_command import CacheConfig
+from draftsmith.train.features.vocab_command import VocabConfig
 from tests.conftest import tiny_model_dir
 
 SETTINGS = settings(
@@ -415,7 +415,7 @@ def test_debug_shows_the_traceback_and_help_says_so(tmp_path, capsys, monkeypatc
         f"error: data: {tmp_path / 'nope'} not found (a hidden-state cache from `draftsmith data "
         "cache`, or tokenized data from `draftsmith data tokenize`)"
     ]
-    from draftsmith.train.data.vocab import TokenDataError
+    from draftsmith.train.data.tokens import TokenDataError
 
     with pytest.raises(TokenDataError):  # --debug anywhere: the exception propagates
         cli(["--debug", *argv])
@@ -439,8 +439,8 @@ def _first_example(module: str) -> str:
     [
         (["evaluate"], "draftsmith.recipes.evaluate"),
         (["quickstart"], "draftsmith.recipes.quickstart"),
-        (["train", "eagle"], TRAIN_RECIPES["eagle"][0]),
-        (["train", "medusa"], TRAIN_RECIPES["medusa"][0]),
+        (["train", "eagle"], "draftsmith." + TRAIN_RECIPES["eagle"].module),
+        (["train", "medusa"], "draftsmith." + TRAIN_RECIPES["medusa"].module),
         (["export"], "draftsmith.train.export.command"),
     ],
 )

@@ -180,6 +180,56 @@ def test_path_and_optional(tmp_path):
         load_config(TrainCfg, write_yaml(tmp_path, {"out_dir": 3}))
 
 
+def test_three_flag_problems_at_once_one_error(tmp_path):
+    """A misspelled flag no longer stops argparse before the other checks: with a wrong type
+    (in the YAML and on a flag) and an out-of-range value, every problem is in one error."""
+    path = write_yaml(tmp_path, {"name": 3})
+    argv = ["--config", str(path), "--stpes", "10", "--seed", "abc", "--lr", "-1"]
+    with pytest.raises(ConfigError) as err:
+        parse_config(TrainCfg, argv, prog="train")
+    assert err.value.problems == [
+        ("--stpes", "unknown flag (did you mean --steps?)"),
+        ("name", "expected str, got int 3"),
+        ("seed", "expected int, got str 'abc' (or None)"),
+        ("lr", "must be > 0"),
+    ]  # "10", the misspelled flag's value, is not reported as a stray argument
+    assert str(err.value).splitlines()[0] == f"invalid TrainCfg (from {path}): 4 problems"
+
+
+def test_misspelled_flag_did_you_mean(capsys):
+    with pytest.raises(ConfigError) as err:
+        parse_config(TrainCfg, ["--stpes=10", "--out_dir", "x", "--model.dimm", "8", "--zzqx"])
+    assert err.value.problems == [
+        ("--stpes", "unknown flag (did you mean --steps?)"),
+        ("--out_dir", "unknown flag (did you mean --out-dir?)"),
+        ("--model.dimm", "unknown flag (did you mean --model.dim?)"),
+        ("--zzqx", "unknown flag (--help lists the flags)"),
+    ]
+    assert "  --stpes: unknown flag (did you mean --steps?)" in str(err.value).splitlines()
+    with pytest.raises(ConfigError) as err:  # arguments no flag takes are named too
+        parse_config(TrainCfg, ["--compile", "yes", "--steps", "3", "extra", "--lr", "-2"])
+    assert err.value.problems == [
+        ("yes", "unexpected argument (--compile takes no value)"),
+        ("extra", "unexpected argument (no flag takes it)"),
+        ("lr", "must be > 0"),
+    ]
+    # argparse's own rules stay: a unique prefix is the flag, an ambiguous one is a usage error
+    assert parse_config(TrainCfg, ["--ste", "4"]).steps == 4
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(TrainCfg, ["--s", "4"])
+    assert exit_.value.code == 2 and "ambiguous option" in capsys.readouterr().err
+
+
+def test_unknown_flag_exits_2_through_cli_main(capsys):
+    from draftsmith.train.errors import cli_main
+
+    assert cli_main(lambda argv: bool(parse_config(TrainCfg, argv)), ["--stpes", "1"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: invalid TrainCfg: 1 problem",
+        "  --stpes: unknown flag (did you mean --steps?)",
+    ]
+
+
 def test_validate_hook_merged_with_type_errors():
     with pytest.raises(ConfigError) as err:
         load_config(TrainCfg, overrides={"lr": "-1", "steps": "many", "model.dim": "x"})

@@ -359,17 +359,29 @@ def test_sampled_chain_runs_with_sane_counters(tgt, trained, version):
         assert float(p.probs[:, ~drafter.t2d].sum()) == 0.0
 
 
-def test_tree_with_sampling_falls_back_to_chain(tgt, trained):
+def test_tree_with_sampling_drafts_a_tree(tgt, trained):
+    """With sampling the proposer still drafts an EAGLE-2 tree (top-k candidates, no probs);
+    the loop verifies it by multi-candidate speculative sampling (tests/test_tree_sampling.py)."""
+    proposer = EagleProposer(trained[3], tree=True)
+    drafted = []
+    propose = proposer.propose
+
+    def spy(*args):
+        drafted.append(propose(*args))
+        return drafted[-1]
+
+    proposer.propose = spy
     out = generate(
         tgt,
         _prompts(1)[0],
-        EagleProposer(trained[3], tree=True),
+        proposer,
         k=3,
         max_new_tokens=10,
         sampling=SamplingParams(temperature=1.0),
         generator=torch.Generator().manual_seed(0),
     )
     assert len(out.tokens) == 10
+    assert drafted and all(p.parents is not None and p.probs is None for p in drafted)
 
 
 # --------------------------------------------------------------------------------------------

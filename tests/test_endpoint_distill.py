@@ -25,7 +25,7 @@ from draftsmith.heads.sampling import SamplingParams
 from draftsmith.train.data.chat import chat_token_ids
 from draftsmith.train.data.records import load_records
 from draftsmith.train.datagen.distill_command import main_distill
-from draftsmith.train.datagen.endpoint import EndpointClient, EndpointError
+from draftsmith.train.datagen.endpoint import Aborted, EndpointClient, EndpointError
 from draftsmith.train.datagen.endpoint_distill import endpoint_distill
 from draftsmith.train.datagen.self_distill import DistillError, self_distill
 from draftsmith.train.datagen.vllm_server import free_port
@@ -54,8 +54,9 @@ class FakeServer:
     """An OpenAI-compatible server answering from ``rule(prompt_ids, body) -> (ids, reason)``.
 
     Attributes:
-        fail: What the next POSTs do instead of answering: an HTTP status, or ``"reset"``
-            (close the connection without an answer); popped one per request.
+        fail: What the next POSTs do instead of answering: an HTTP status, a ``(status,
+            headers)`` pair, or ``"reset"`` (close the connection without an answer); popped
+            one per request.
         token_ids: Return generated/prompt ids (vLLM's ``return_token_ids``); False = text only.
         requested, answered: Prompt ids in the order requests arrived / answers were sent.
     """
@@ -63,7 +64,7 @@ class FakeServer:
     def __init__(self, tok, rule, *, models=("tiny",), max_model_len=1024, delay=None):
         self.tok, self.rule, self.models = tok, rule, list(models)
         self.max_model_len, self.delay = max_model_len, delay
-        self.fail: list[int | str] = []
+        self.fail: list[int | str | tuple[int, dict[str, str]]] = []
         self.token_ids = True
         self.requested: list[tuple[int, ...]] = []
         self.answered: list[tuple[int, ...]] = []
@@ -75,11 +76,13 @@ class FakeServer:
             def log_message(self, *args):  # quiet
                 pass
 
-            def _send(self, status, obj):
+            def _send(self, status, obj, headers=()):
                 data = json.dumps(obj).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in dict(headers).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -98,7 +101,9 @@ class FakeServer:
                     self.close_connection = True
                     return  # no answer at all: the client sees the connection closed
                 if fault is not None:
-                    return self._send(fault, {"error": {"message": f"fault {fault}"}})
+                    status, headers = fault if isinstance(fault, tuple) else (fault, {})
+                    err = {"error": {"message": f"fault {status}"}}
+                    return self._send(status, err, headers)
                 if body.get("model") not in fake.models:
                     msg = f"The model `{body.get('model')}` does not exist."
                     return self._send(404, {"error": {"message": msg}})
@@ -415,6 +420,66 @@ def test_transient_errors_are_retried(tmp_path, tok, model):
             run(fake, tok, model, convs, tmp_path / "y.jsonl", concurrency=1)
     # The failed runs are resumable: they kept only complete records.
     assert not (tmp_path / "y.jsonl").read_bytes()
+
+
+def echo_rule(ids, body):
+    """A canned answer: the first prompt id, then the end of turn."""
+    return [ids[0], 0], "stop"
+
+
+def complete(client: EndpointClient):
+    return client.complete(
+        "tiny",
+        [1, 2, 3],
+        max_new_tokens=4,
+        sampling=SamplingParams(0.0, 0, 1.0),
+        stop_token_ids=[0],
+        seed=None,
+    )
+
+
+def test_retry_after_is_honoured_up_to_max_backoff(tok):
+    with FakeServer(tok, echo_rule) as fake:
+        client = EndpointClient(fake.url, backoff=0.001, max_backoff=0.3)
+        client.connect("tiny")
+        # 408 is retried like 429 and 5xx; an over-long Retry-After is cut to max_backoff.
+        fake.fail = [(429, {"Retry-After": "0.2"}), 408, (503, {"Retry-After": "60"})]
+        t0 = time.perf_counter()
+        assert complete(client).token_ids == [1, 0]
+        elapsed = time.perf_counter() - t0
+        assert client.retries == 3
+        assert 0.5 <= elapsed < 5.0  # 0.2 s + ~0 s + 0.3 s of back-off
+        # Any other 4xx is final at once, with the server's message.
+        fake.fail = [422]
+        with pytest.raises(EndpointError, match=r"/v1/completions answered HTTP 422: fault 422"):
+            complete(client)
+        assert client.retries == 3
+
+
+def test_abort_ends_requests_in_flight_at_once(tok):
+    with FakeServer(tok, echo_rule, delay=lambda ids: 30.0) as fake:
+        client = EndpointClient(fake.url)
+        client.connect("tiny")
+        errors: list[BaseException] = []
+
+        def call():
+            try:
+                complete(client)
+            except BaseException as exc:  # handed to the test thread
+                errors.append(exc)
+
+        worker = threading.Thread(target=call)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not fake.requested and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fake.requested  # the request is in flight, its answer 30 s away
+        client.abort()
+        worker.join(timeout=5)
+        assert not worker.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], Aborted)
+        with pytest.raises(Aborted):
+            complete(client)
 
 
 def test_connect_names_the_url_and_the_models(tok):

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.heads.families import cache_layers
 from draftsmith.train.data.batching import TokenDataset, collate_hidden_states
 from draftsmith.train.data.chat import template_fingerprint
-from draftsmith.train.data.vocab import draft_vocab, load_vocab_stats, main_vocab
+from draftsmith.train.data.vocab import draft_vocab, load_vocab_stats
 from draftsmith.train.features.cache_command import main_cache
 from draftsmith.train.features.cache_format import (
     DTYPES,
@@ -29,10 +30,10 @@ from draftsmith.train.features.cache_write import build_cache
 from draftsmith.train.features.source import (
     compute_hidden_states,
     dataset_fingerprint,
-    default_layers,
     feature_source,
     target_weights_hash,
 )
+from draftsmith.train.features.vocab_command import main_vocab
 from tests.conftest import tiny_llama, tiny_model_dir
 
 LAYERS = [0, 2, 4]  # embeddings, a middle layer, the final normed output of the 4-layer target
@@ -90,11 +91,11 @@ def files(path: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
-def test_default_layers():
-    assert default_layers("eagle3", 30) == [2, 15, 27, 30]
-    assert default_layers("eagle1", 30) == default_layers("medusa", 30) == [30]
-    with pytest.raises(ValueError, match="unknown drafter kind"):
-        default_layers("hydra", 30)
+def test_cache_presets_are_the_families_layers():
+    assert cache_layers("eagle3", 30) == [2, 15, 27, 30]
+    assert cache_layers("eagle1", 30) == cache_layers("medusa", 30) == [30]
+    with pytest.raises(ValueError, match="unknown preset 'hydra'; expected one of eagle3"):
+        cache_layers("hydra", 30)
 
 
 def test_cache_matches_unbatched_forward(model, samples, tmp_path):

@@ -18,14 +18,24 @@ ROOMS = ("train", "heads", "recipes")
 
 
 def _imports(path: Path) -> list[str]:
-    """Every module name imported by ``path`` (absolute imports; also inside functions)."""
+    """Every module name imported by ``path``, also inside functions; relative imports of a
+    module in a room are resolved to their ``draftsmith.*`` names (``from ..errors import x`` in
+    ``train/data/files.py`` is ``draftsmith.train.errors`` and ``draftsmith.train.errors.x``)."""
+    parts = path.relative_to(REPO).parts
+    package = ["draftsmith", *parts[:-1]] if parts[0] in ROOMS else []
     names = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                assert package, f"{path}: a relative import outside the package"
+                anchor = package[: len(package) - (node.level - 1)]
+                module = ".".join([*anchor, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            names.append(module)
+            names += [f"{module}.{alias.name}" for alias in node.names]
     return names
 
 
@@ -41,6 +51,28 @@ def test_import_direction(room: str, forbidden: tuple[str, ...]) -> None:
     bad = [
         f"{path.relative_to(REPO)} imports {name}"
         for path in _sources(room)
+        for name in _imports(path)
+        if name.startswith(forbidden)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("room", "forbidden"),
+    [
+        # Tokenized data (train/data) sits below hidden states (train/features): a feature
+        # cache is built from token data, never the other way round.
+        ("train/data", ("draftsmith.train.features", "draftsmith.train.core")),
+        # The training core assembles data and runs; it does not know feature caches' types.
+        ("train/core", ("draftsmith.train.features",)),
+        # Reports format what others computed; the job runner (train/jobs) calls them.
+        ("train/report", ("draftsmith.train.jobs",)),
+    ],
+)
+def test_imports_do_not_run_up_the_layers(room: str, forbidden: tuple[str, ...]) -> None:
+    bad = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in sorted((REPO / room).rglob("*.py"))
         for name in _imports(path)
         if name.startswith(forbidden)
     ]

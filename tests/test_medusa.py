@@ -348,7 +348,7 @@ def test_greedy_output_is_the_targets(target, choices):
     assert accepted > 0
 
 
-def test_tree_proposal_shape_and_sampling_fallback(target):
+def test_tree_proposal_shape_at_every_temperature(target):
     heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
     proposer = MedusaProposer(heads, 4, [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
     prompt = torch.randint(0, V, (1, 5))
@@ -362,12 +362,14 @@ def test_tree_proposal_shape_and_sampling_fallback(target):
     want = [ranks[0][0], ranks[0][1], ranks[1][0], ranks[1][1], ranks[1][0], ranks[2][0]]
     assert p.tokens.tolist() == [int(t) for t in want]
     assert len(proposer.propose(prompt, 2, SamplingParams(), None)) == 5  # depth <= k
-    # Sampling: the loop verifies trees greedily only, so the proposer drafts a chain with q.
+    # Sampling: the same tree of top-k candidates (q one-hot, no probs); the loop verifies it by
+    # multi-candidate speculative sampling (tests/test_tree_sampling.py).
     s = proposer.propose(prompt, 3, SamplingParams(temperature=0.8), torch.Generator())
-    assert s.parents is None and s.probs.shape == (3, V)
+    assert s.parents.tolist() == p.parents.tolist() and s.tokens.tolist() == p.tokens.tolist()
+    assert s.probs is None
 
 
-def test_sampled_chain_runs_in_the_loop(target):
+def test_sampled_tree_runs_in_the_loop(target):
     heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
     proposer = MedusaProposer(heads, 4, TREE[:6])
     gen = torch.Generator().manual_seed(0)

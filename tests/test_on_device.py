@@ -52,10 +52,12 @@ def test_greedy_is_the_targets_own_output(tgt, device, kind):
         assert spec.target_forwards <= plain.target_forwards
 
 
-def test_sampling_with_a_device_generator_is_reproducible(tgt, device):
-    """A generator on the device the target's tensors live on (a CPU one fails on CUDA)."""
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_sampling_with_a_device_generator_is_reproducible(tgt, device, tree):
+    """A generator on the device the target's tensors live on (a CPU one fails on CUDA); a
+    sampled tree's decisions are drawn on the device too."""
     sampling = SamplingParams(temperature=0.9, top_k=20)
-    drafter = EagleProposer(_eagle3(tgt, device))
+    drafter = EagleProposer(_eagle3(tgt, device), tree=tree)
     prompt = _prompts(device, 1)[0]
     outs = [
         generate(

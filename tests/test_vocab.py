@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftsmith.train.data.tokens import iter_token_chunks
 from draftsmith.train.data.vocab import (
     coverage,
     draft_vocab,
-    iter_token_chunks,
     load_vocab_stats,
     save_vocab_stats,
     t2d_index,

@@ -3,8 +3,9 @@
 A config is a dataclass whose fields carry a type, a default and a help string
 (:func:`cfg_field`). Values are layered: field defaults, then a YAML file (which may only
 override existing fields), then overrides (command-line flags). Every problem found on the
-way -- unknown keys, wrong types, bad choices, and whatever the class's own ``validate()``
-returns -- is collected and raised as ONE :class:`ConfigError` that names each field.
+way -- unknown keys and flags (with a did-you-mean), wrong types, bad choices, and whatever the
+class's own ``validate()`` returns -- is collected and raised as ONE :class:`ConfigError` that
+names each field.
 
 Example:
     @dataclass
@@ -29,6 +30,7 @@ import inspect
 import math
 import os
 import re
+import sys
 import textwrap
 import types
 from collections.abc import Mapping, Sequence
@@ -328,7 +330,16 @@ def load_config(
         ConfigError: Listing every problem: unknown keys, type errors, bad choices,
             missing required fields and the problems ``cls.validate()`` returns.
     """
-    problems: list[tuple[str, str]] = []
+    return _load_config(cls, yaml_path, overrides, [])
+
+
+def _load_config(
+    cls: type[T],
+    yaml_path: str | Path | None,
+    overrides: Mapping[str, Any] | None,
+    problems: list[tuple[str, str]],
+) -> T:
+    """:func:`load_config`, reporting ``problems`` found before (bad flags) with its own."""
     layers: list[tuple[Mapping, bool]] = []
     if yaml_path is not None:
         try:
@@ -479,8 +490,50 @@ def _leaf_paths(cls: type, prefix: str = "") -> list[str]:
 
 def config_from_args(cls: type[T], args: argparse.Namespace) -> T:
     """Build ``cls`` from a namespace parsed by a parser given :func:`add_config_arguments`."""
+    return _config_from_args(cls, args, [])
+
+
+def _config_from_args(cls: type[T], args: argparse.Namespace, problems: list) -> T:
     given = {path: getattr(args, path) for path in _leaf_paths(cls) if hasattr(args, path)}
-    return load_config(cls, getattr(args, "config", None), overrides=given)
+    return _load_config(cls, getattr(args, "config", None), given, problems)
+
+
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")  # argparse's: a value, not a flag
+
+
+def _unrecognized(
+    parser: argparse.ArgumentParser, argv: Sequence[str], extras: Sequence[str]
+) -> list[tuple[str, str]]:
+    """Problems for the ``extras`` of ``parser.parse_known_args(argv)``: unknown flags, each
+    with a did-you-mean to the closest real flag, and arguments that no flag takes. The values
+    after an unknown flag (``--stpes 10``) are taken as its own, not reported again."""
+    flags = sorted(s for s in parser._option_string_actions if s.startswith("--"))
+    problems: list[tuple[str, str]] = []
+    at, values_at = -1, None  # argv index of the extra; where an unknown flag's values start
+    for i, token in enumerate(extras):
+        with contextlib.suppress(ValueError):  # extras are argv's own tokens, in order
+            at = argv.index(token, at + 1)
+        if token == "--":
+            rest = " ".join(extras[i + 1 :])
+            problems.append(("--", f"this command takes flags only, got {rest!r} after '--'"))
+            break
+        # A flag as argparse tells them apart: not "-1", not a value holding a space.
+        flag_like = token[:1] in parser.prefix_chars and len(token) > 1 and " " not in token
+        if flag_like and not _NEGATIVE_NUMBER.match(token):
+            name, inline, _ = token.partition("=")
+            close = difflib.get_close_matches(name, flags, n=1)
+            hint = f"did you mean {close[0]}?" if close else "--help lists the flags"
+            problems.append((name, f"unknown flag ({hint})"))
+            values_at = None if inline else at + 1
+            continue
+        if at == values_at:  # a value of the unknown flag just before
+            values_at += 1
+            continue
+        before = argv[at - 1] if at > 0 else ""
+        action = parser._option_string_actions.get(before.partition("=")[0])
+        why = f"{before} takes no value" if action and action.nargs == 0 else "no flag takes it"
+        problems.append((token, f"unexpected argument ({why})"))
+    return problems
 
 
 def parse_config(
@@ -495,11 +548,21 @@ def parse_config(
     ``description`` may be a module docstring: its launch examples print as written
     (:class:`HelpFormatter`).
 
+    Unknown flags (``--stpes: unknown flag (did you mean --steps?)``) and arguments no flag
+    takes are problems of the same :class:`ConfigError` as those of the YAML and of the flags'
+    values (type, range, ``validate()``), so one run names them all. A unique prefix of a flag
+    is still that flag.
+
     Raises:
-        ConfigError: As :func:`load_config`; errors name the field, not the flag.
+        ConfigError: As :func:`load_config`; errors name the field, not the flag, except
+            for unknown flags and stray arguments.
+        SystemExit: ``--help`` (0), or what argparse itself refuses (2): a flag without its
+            value, a value outside a flag's choices, an ambiguous prefix.
     """
     parser = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=HelpFormatter
     )
     add_config_arguments(parser, cls)
-    return config_from_args(cls, parser.parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(argv)
+    return _config_from_args(cls, args, _unrecognized(parser, argv, extras))

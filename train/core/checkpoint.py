@@ -33,6 +33,7 @@ import torch
 from .. import safety
 from ..errors import RunError, UsageError
 from ..runinfo import finite_json
+from ..staged import prepare_stage, replace_dir
 from .dist import any_rank
 from .stop import NonFiniteError, non_finite_parameters
 
@@ -163,10 +164,10 @@ def save_checkpoint(
     error: BaseException | None = None
     if accelerator.is_main_process:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            safety.ensure_free_space(root, need)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+            # A fixed temp dir (at=), not staged_dir's per-writer one: every process, on every
+            # machine, writes its part into it and must find it without being told. A killed
+            # save's leftover is removed here, by the next save.
+            prepare_stage(final, overwrite=True, need_bytes=need, at=tmp)
         except Exception as exc:
             error = exc
     if not any_rank([error is not None], accelerator.device)[0]:
@@ -179,11 +180,13 @@ def save_checkpoint(
             error = exc
     failed = any_rank([error is not None], accelerator.device)[0]
     if accelerator.is_main_process:
+        # The rename waits for every process's verdict (any_rank), so this is staged_dir's
+        # second half by hand: remove on failure, else replace a same-step leftover of a killed
+        # run (one a resume fell back past) and rename.
         if failed:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
-            shutil.rmtree(final, ignore_errors=True)  # a same-step leftover of a killed run
-            os.replace(tmp, final)
+            replace_dir(tmp, final, overwrite=True)
             _rotate(root.parent, keep, state.run_id)
     if failed:
         if error is None:

@@ -118,7 +118,7 @@ def load_samples(
         dropped and why), None for tokenized data.
     """
     from ..data.tokenize import build_dataset
-    from ..data.vocab import load_token_data
+    from ..data.tokens import load_token_data
 
     path = Path(path)
     summary = None
@@ -287,15 +287,14 @@ def input_errors() -> Iterator[None]:
     file, a chat-template problem, a target that cannot be loaded, a cache that does not match);
     they are the user's to fix, not a bug to show a traceback for.
     """
-    from ..data.chat import TemplateError
-    from ..data.files import DataFileError
     from ..errors import RunError
-    from ..features.cache_format import CacheError
-    from ..target_model.load import TargetError
 
+    # The loaders' own errors (DataFileError, TemplateError, CacheError, TokenDataError, ...)
+    # are UsageErrors already, TargetError a RunError: they pass through as they are. A file
+    # a loader did not name as missing becomes one line too.
     try:
         yield
     except (UsageError, RunError):
         raise
-    except (DataFileError, TemplateError, TargetError, CacheError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
         raise UsageError(str(exc)) from exc

@@ -582,15 +582,15 @@ class TrainRun:
         of the prepared models); a write that fails for lack of space raises DiskSpaceError and
         leaves the previous ``name`` and no temp dir.
         """
-        from ..runinfo import replace_dir
+        from ..staged import prepare_stage, replace_dir
 
         path, tmp = self.out / name, self.out / f".{name}.tmp"
         need = need or ckpt.checkpoint_bytes(self.models, self.optimizers) // 2
 
+        # staged_dir's two halves by hand: ``write`` runs on every process, so the temp dir has
+        # a fixed name they all know (at=), and the rename waits for every process's verdict.
         def prepare() -> None:
-            safety.ensure_free_space(self.out, need)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            prepare_stage(path, overwrite=True, need_bytes=need, at=tmp)
 
         self.on_main(prepare, f"preparing {path}")
         error: BaseException | None = None
@@ -614,7 +614,7 @@ class TrainRun:
 
     def write_json(self, path: Path, data: dict[str, Any]) -> None:
         """Strict JSON (NaN/inf -> null) written atomically, main process only."""
-        from ..runinfo import write_json_atomic
+        from ..staged import write_json_atomic
 
         if self.is_main:
             write_json_atomic(path, data)

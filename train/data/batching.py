@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..features.cache_format import CacheError
+from .tokens import TokenDataError
 
 __all__ = ["Collate", "TokenDataset", "collate_hidden_states"]
 
@@ -42,7 +42,9 @@ class TokenDataset(torch.utils.data.Dataset):
         ids = torch.as_tensor(row["input_ids"], dtype=torch.long)[: self.max_length]
         mask = torch.as_tensor(row["loss_mask"], dtype=torch.long)[: self.max_length]
         if ids.shape != mask.shape:
-            raise CacheError(f"sample {i}: {ids.numel()} input_ids but {mask.numel()} loss_mask")
+            raise TokenDataError(
+                f"sample {i}: {ids.numel()} input_ids but {mask.numel()} loss_mask"
+            )
         sid = row.get("id") if isinstance(row, Mapping) else None
         return {
             "input_ids": ids,

@@ -281,7 +281,8 @@ def _main_tokenize(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from ..config import parse_config
-    from ..runinfo import OutputExistsError, output_lock, staged_dir
+    from ..runinfo import output_lock
+    from ..staged import OutputExistsError, staged_dir
     from ..target_model.load import prepare_target
 
     cfg = parse_config(TokenizeConfig, argv, prog="draftsmith data tokenize")

@@ -1,6 +1,8 @@
 """A small client for OpenAI-compatible servers (vLLM, SGLang, TGI): ``data distill --endpoint``.
 
-Standard library only (``http.client``, ``json``): no SDK to install or pin. What it does:
+Built on ``httpx`` (pooled keep-alive connections, timeouts) and ``tenacity`` (the retry
+policy) rather than an OpenAI SDK, whose retries and model checks would hide the errors below.
+What it does:
 
 * **Start-up check** (:meth:`EndpointClient.connect`): ``GET /v1/models``. An unreachable server,
   a server that does not serve ``--model`` (its models are named), or one that serves several
@@ -11,7 +13,7 @@ Standard library only (``http.client``, ``json``): no SDK to install or pin. Wha
   ``stop_token_ids``, special tokens kept in the text, and ``return_token_ids`` so the answer's
   token ids come back (vLLM >= 0.10: ``choices[i].token_ids`` and ``prompt_token_ids``; servers
   without it return text only and the caller re-tokenizes it).
-* **Retries**: HTTP 429/500/502/503/504, timeouts, and connection errors once the server has
+* **Retries**: HTTP 408, 429 and 5xx, timeouts, and connection errors once the server has
   answered at least once, are retried with exponential back-off (``backoff * 2**n`` seconds,
   jittered, at most ``max_backoff``, a ``Retry-After`` header honoured), at most ``max_retries``
   times; then, or on any other HTTP error, :class:`EndpointError` (exit code 1) names the URL,
@@ -27,17 +29,22 @@ An API key is sent as ``Authorization: Bearer`` when ``OPENAI_API_KEY`` is set (
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
-import http.client
 import json
 import os
 import random
 import socket
+import ssl
 import threading
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
+
+import httpx
+import tenacity
 
 from ...heads.sampling import SamplingParams
 from ..errors import RunError, UsageError
@@ -52,8 +59,12 @@ __all__ = [
     "request_seed",
 ]
 
-#: HTTP statuses worth retrying: rate limit, and the server or a proxy in front of it failing.
-TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+#: HTTP statuses worth retrying: request timeout, rate limit, and the server or a proxy in front
+#: of it failing. Every other 4xx is the request's own fault and would fail again.
+TRANSIENT_STATUS = frozenset({408, 429, *range(500, 600)})
+
+#: httpcore trace events whose ``return_value`` is a new network stream (plain, then TLS).
+_STREAM_EVENTS = frozenset({"connection.connect_tcp.complete", "connection.start_tls.complete"})
 
 
 class EndpointError(RunError):
@@ -127,6 +138,19 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed try is worth another (``_attempt`` already turned the rest final)."""
+    if isinstance(exc, _HTTPStatusError):
+        return exc.status in TRANSIENT_STATUS
+    return isinstance(exc, httpx.TransportError)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut ``sock`` down: unlike ``close``, this wakes a thread blocked reading it."""
+    with contextlib.suppress(OSError):  # already closed, or detached by the TLS wrapper
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def _error_message(data: bytes) -> str:
     """The server's own words from an error body: vLLM, OpenAI, TGI and FastAPI shapes."""
     try:
@@ -145,7 +169,7 @@ def _error_message(data: bytes) -> str:
 
 
 class EndpointClient:
-    """Thread-safe client of one OpenAI-compatible server (one connection per request).
+    """Thread-safe client of one OpenAI-compatible server (pooled keep-alive connections).
 
     Args:
         url: The server, with or without the ``/v1`` suffix (``http://127.0.0.1:8000``).
@@ -182,16 +206,28 @@ class EndpointClient:
         prefix = prefix.removesuffix("/v1")
         self.scheme, self.host, self.port = parts.scheme, parts.hostname, port
         self.prefix = prefix + "/v1"
-        netloc = f"{self.host}:{port}" if port else self.host
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6 literal
+        netloc = f"{host}:{port}" if port else host
         self.url = f"{self.scheme}://{netloc}{self.prefix}"
         self.timeout, self.max_retries = timeout, max_retries
         self.backoff, self.max_backoff = backoff, max_backoff
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.retries = 0  # transient failures retried, over the client's life
-        self._answered = False  # whether the server has answered once (see _transient)
+        self._answered = False  # whether the server has answered once (see _attempt)
         self._lock = threading.Lock()
-        self._active: set[http.client.HTTPConnection] = set()
+        # Every socket the pool opened (weakly: the pool drops closed ones), for abort().
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._stop = threading.Event()
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout),
+            # No cap: --concurrency bounds the requests in flight, and a capped pool would
+            # queue the rest behind it; idle ones are kept so every worker reuses its own.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            # Proxy variables are not for a (mostly local) inference server, and TLS checks
+            # use the system's CAs, as the standard library does.
+            trust_env=False,
+            verify=ssl.create_default_context(),
+        )
 
     # ------------------------------------------------------------------------------------------
     # Start-up
@@ -342,59 +378,95 @@ class EndpointClient:
         """Stop: requests in flight fail at once, later ones raise :class:`Aborted`."""
         self._stop.set()
         with self._lock:
-            conns = list(self._active)
-        for conn in conns:
-            sock = conn.sock
-            if sock is not None:
-                with contextlib.suppress(OSError):  # already closed
-                    sock.shutdown(socket.SHUT_RDWR)
+            socks = list(self._sockets)
+        for sock in socks:
+            _shut(sock)
+
+    def close(self) -> None:
+        """Close the pooled connections; the client must not be used afterwards."""
+        self._http.close()
+
+    def _trace(self, event: str, info: dict[str, Any]) -> None:
+        """httpcore's trace hook: note each new socket, so :meth:`abort` can reach it."""
+        if event not in _STREAM_EVENTS:
+            return
+        sock = info["return_value"].get_extra_info("socket")
+        if sock is None:
+            return
+        with self._lock:
+            self._sockets.add(sock)
+        if self._stop.is_set():  # opened while abort() ran: it may have missed this one
+            _shut(sock)
 
     def _request(self, method: str, path: str, body: Any) -> Any:
         """One JSON request with the retry policy (see the module docstring)."""
-        attempt = 0
-        while True:
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.max_retries + 1),
+            wait=self._wait,
+            retry=tenacity.retry_if_exception(_transient),
+            sleep=self._sleep,
+            before_sleep=self._count_retry,
+            retry_error_callback=functools.partial(self._give_up, path),
+        )
+        return retrying(self._attempt, method, path, body)
+
+    def _attempt(self, method: str, path: str, body: Any) -> Any:
+        """One try; raises what is final as such, and leaves what is transient to retry."""
+        if self._stop.is_set():
+            raise Aborted
+        try:
+            result = self._once(method, path, body)
+        except _HTTPStatusError as exc:
+            if exc.status in TRANSIENT_STATUS or path == "/models":  # connect() words its own
+                raise
+            raise EndpointError(
+                f"{self.url}{path} answered HTTP {exc.status}: {exc.message}"
+            ) from None
+        except httpx.TransportError as exc:
             if self._stop.is_set():
-                raise Aborted
-            try:
-                result = self._once(method, path, body)
-                self._answered = True
-                return result
-            except _HTTPStatusError as exc:
-                if exc.status not in TRANSIENT_STATUS:
-                    if path == "/models":
-                        raise
-                    raise EndpointError(
-                        f"{self.url}{path} answered HTTP {exc.status}: {exc.message}"
-                    ) from None
-                error, wait = exc, exc.retry_after
-            except (OSError, http.client.HTTPException) as exc:
-                if self._stop.is_set():
-                    raise Aborted from None
-                if not self._answered:
-                    raise EndpointError(
-                        f"cannot reach an OpenAI-compatible server at {self.url} "
-                        f"({_one_line(str(exc) or type(exc).__name__)}); is it running? "
-                        "check --endpoint"
-                    ) from None
-                error, wait = exc, None
-            if attempt >= self.max_retries:
+                raise Aborted from None
+            if not self._answered:
+                # Never answered: a wrong URL or a server not up, not a hiccup worth waiting.
                 raise EndpointError(
-                    f"{self.url}{path} failed after {attempt} "
-                    f"{'retry' if attempt == 1 else 'retries'}: "
-                    f"{_one_line(str(error) or type(error).__name__)}"
+                    f"cannot reach an OpenAI-compatible server at {self.url} "
+                    f"({_one_line(str(exc) or type(exc).__name__)}); is it running? "
+                    "check --endpoint"
                 ) from None
-            delay = min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.75, 1.0)
-            if wait is not None:
-                delay = max(delay, min(wait, self.max_backoff))
-            attempt += 1
-            with self._lock:
-                self.retries += 1
-            if self._stop.wait(delay):
-                raise Aborted
+            raise
+        self._answered = True
+        return result
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        """The delay before the next try, in seconds.
+
+        Exponential back-off jittered down to 75%, so clients rate-limited together spread out;
+        at least the server's ``Retry-After``; both capped at ``max_backoff``.
+        """
+        exponential = tenacity.wait_exponential(multiplier=self.backoff, max=self.max_backoff)
+        delay = exponential(state) * random.uniform(0.75, 1.0)
+        error = state.outcome.exception() if state.outcome else None
+        if isinstance(error, _HTTPStatusError) and error.retry_after is not None:
+            delay = max(delay, min(error.retry_after, self.max_backoff))
+        return delay
+
+    def _sleep(self, delay: float) -> None:
+        if self._stop.wait(delay):  # abort() ends the wait at once
+            raise Aborted
+
+    def _count_retry(self, state: tenacity.RetryCallState) -> None:
+        with self._lock:
+            self.retries += 1
+
+    def _give_up(self, path: str, state: tenacity.RetryCallState) -> Any:
+        """Retries exhausted: one error naming the URL, the tries and the last failure."""
+        error = state.outcome.exception() if state.outcome else None
+        n = state.attempt_number - 1
+        raise EndpointError(
+            f"{self.url}{path} failed after {n} {'retry' if n == 1 else 'retries'}: "
+            f"{_one_line(str(error) or type(error).__name__)}"
+        ) from None
 
     def _once(self, method: str, path: str, body: Any) -> Any:
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=self.timeout)
         headers = {"Accept": "application/json"}
         data = None
         if body is not None:
@@ -402,25 +474,23 @@ class EndpointClient:
             headers["Content-Type"] = "application/json"
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        with self._lock:
-            self._active.add(conn)
-        try:
-            conn.request(method, self.prefix + path, body=data, headers=headers)
-            resp = conn.getresponse()
-            payload = resp.read()
-        finally:
-            with self._lock:
-                self._active.discard(conn)
-            conn.close()
-        if resp.status >= 400:
+        resp = self._http.request(
+            method,
+            self.url + path,
+            content=data,
+            headers=headers,
+            extensions={"trace": self._trace},
+        )
+        payload = resp.content
+        if resp.status_code >= 400:
             retry_after = None
             with contextlib.suppress(ValueError):  # absent, or an HTTP date: ignored
-                retry_after = float(resp.getheader("Retry-After") or "")
-            raise _HTTPStatusError(resp.status, _error_message(payload), retry_after)
+                retry_after = float(resp.headers.get("Retry-After") or "")
+            raise _HTTPStatusError(resp.status_code, _error_message(payload), retry_after)
         try:
             return json.loads(payload)
         except (ValueError, UnicodeDecodeError):
             raise EndpointError(
-                f"{self.url}{path} answered HTTP {resp.status} with a body that is not JSON: "
+                f"{self.url}{path} answered HTTP {resp.status_code} with a body that is not JSON: "
                 f"{_one_line(payload.decode('utf-8', 'replace'), 120)}"
             ) from None

@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import UsageError
 from ..runinfo import json_text
 from ..safety import DiskSpaceError, disk_full
+from ..staged import write_atomic
 
 __all__ = [
     "BYTES_PER_TOKEN",
@@ -76,9 +77,7 @@ def check_meta(
 
 def write_meta(meta_path: Path, data: dict[str, Any]) -> None:
     """Replace ``meta_path`` with ``data`` atomically (a temp file renamed into place)."""
-    tmp = meta_path.with_name(meta_path.name + ".tmp")
-    tmp.write_text(json_text(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, meta_path)
+    write_atomic(meta_path, json_text(data, indent=2, sort_keys=True) + "\n")
 
 
 def _append(fd: int, data: bytes) -> None:
@@ -108,9 +107,9 @@ def write_synced(fd: int, data: bytes, output: Path) -> None:
 
 
 def progress_bar(enabled: bool, total: int, initial: int, unit: str, desc: str) -> Any:
-    """A tqdm bar on stderr starting at ``initial`` of ``total``, or None when not ``enabled``."""
+    """A progress bar on stderr starting at ``initial`` of ``total``, or None when not ``enabled``."""
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from ..progress import progress
 
-    return tqdm(total=total, initial=min(initial, total), unit=unit, desc=desc, dynamic_ncols=True)
+    return progress(total=total, initial=min(initial, total), unit=unit, desc=desc)

@@ -16,8 +16,21 @@ Acceptance rules:
   (temperature, top-k, top-p), so the output follows the target's own sampling distribution.
 
 Tree drafts (``Proposal.parents`` set) are verified in one forward with a 4D ancestor attention
-mask and depth-based position ids (SpecInfer §4; Medusa §2.1.2; EAGLE-2 §4); the longest path
-that matches the target's greedy choices is accepted and the KV cache keeps only that path.
+mask and depth-based position ids (SpecInfer §4; Medusa §2.1.2; EAGLE-2 §4); the KV cache then
+keeps only the accepted path. Which path:
+
+* greedy: the longest path that matches the target's greedy choices.
+* sampling: multi-candidate speculative sampling over each node's children (SpecInfer, Miao et
+  al. 2024, §4.2 / Alg. 2, recursive rejection sampling). From the root, with the target's
+  processed distribution r = p at the current node, the children are tried in order: child x
+  with draft row q (``Proposal.probs``: the distribution x was drawn from given its path and its
+  earlier siblings; one-hot on x when the proposal has no probs) is accepted with probability
+  min(1, r(x) / q(x)); on rejection r <- norm(max(0, r - q)) (one-hot q: r with x zeroed,
+  renormalised -- EAGLE-2's rule for its top-k candidates). On acceptance the walk moves to x
+  (r = p there); when every child is rejected, or at a leaf, the target's token is drawn from r.
+  Each trial is one speculative-sampling step against the current residual, so the emitted
+  token follows p at every node (SpecInfer Thm. 4.2) whatever the siblings' q rows are, as long
+  as each row is the distribution its candidate was really drawn from.
 """
 
 from __future__ import annotations
@@ -185,6 +198,92 @@ def _accept_tree_greedy(
         row = nxt
 
 
+def _tree_children(par: list[int], device: torch.device) -> torch.Tensor:
+    """``[n + 1, R]`` long: row of each row's i-th child in proposal order, 0 = none.
+
+    Rows as in :func:`_tree_inputs` (0 = the root, node j = row j + 1); R = most children of a row.
+    """
+    kids: list[list[int]] = [[] for _ in range(len(par) + 1)]
+    for j, parent in enumerate(par):
+        kids[parent + 1].append(j + 1)
+    width = max(len(c) for c in kids)
+    return torch.tensor([c + [0] * (width - len(c)) for c in kids], device=device)
+
+
+def _accept_tree_sampled(
+    logits: torch.Tensor,
+    proposal: Proposal,
+    kids: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Multi-candidate speculative sampling over a tree (SpecInfer §4.2, Alg. 2), on the device.
+
+    The walk visits each row at most once and a row's decision needs only its own children, so
+    every row's decision is made up front, batched over rows and done by sibling rank: per row,
+    which child is accepted first (trying them in order against the row's running residual r)
+    and a token drawn from r after all of its children were tried. The walk itself -- follow the
+    accepted children from the root, then emit the last row's token -- is read on the host
+    (:func:`_tree_path`). Every node has its own uniform and every row its own final draw, so the
+    draws along the walked path are independent, as the sequential rule needs.
+
+    Args:
+        logits: ``[n + 1, V]`` target logits at the root and at each node.
+        proposal: the n nodes (tokens, and probs or None), on the logits' device.
+        kids: :func:`_tree_children` of the proposal's parents.
+        sampling: sampling parameters (not greedy).
+        generator: randomness, on the logits' device.
+
+    Returns:
+        ``[2 (n + 1)]`` long: per row its first accepted child's row (0 = none), then per row
+        the token drawn from its residual.
+    """
+    p = logits_to_probs(logits, sampling)  # [n + 1, V]
+    rows = p.shape[0]
+    u = torch.rand(rows, generator=generator, device=p.device)  # u[c]: node row c's test
+    tokens = torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), proposal.tokens])
+    q = None
+    if proposal.probs is not None:
+        q = torch.cat([torch.zeros_like(p[:1]), proposal.probs.to(p.device, p.dtype)])
+    first = torch.zeros(rows, dtype=torch.long, device=p.device)
+    r = p
+    for i in range(kids.shape[1]):
+        c = kids[:, i]  # [n + 1] the i-th child of each row (0 = none)
+        has = c > 0
+        x = tokens.index_select(0, c)[:, None]
+        r_x = r.gather(1, x)[:, 0]
+        if q is None:  # deterministic candidate: q = one-hot(x)
+            q_x = torch.ones_like(r_x)
+            residual = r.scatter(1, x, 0.0)
+        else:
+            q_c = q.index_select(0, c)
+            q_x = q_c.gather(1, x)[:, 0]
+            residual = (r - q_c).clamp_min(0.0)
+        # Accept when u < r(x)/q(x), written as u * q(x) < r(x); a row keeps its first acceptance.
+        accept = has & (first == 0) & (u.index_select(0, c) * q_x < r_x)
+        first = torch.where(accept, c, first)
+        # An all-zero residual is only possible when r == q up to rounding, where rejection has
+        # probability 0: keep r then.
+        total = residual.sum(-1, keepdim=True)
+        update = has[:, None] & (total > 0)
+        r = torch.where(update, residual / torch.where(total > 0, total, 1.0), r)
+    return torch.cat([first, sample(r, generator)])
+
+
+def _tree_path(first: list[int], drawn: list[int]) -> tuple[list[int], int]:
+    """Follow the accepted children from the root (host lists from :func:`_accept_tree_sampled`).
+
+    Returns:
+        ``(path, next_token)`` where path lists accepted node rows (1-based, root excluded).
+    """
+    path: list[int] = []
+    row = 0
+    while first[row]:
+        row = first[row]
+        path.append(row)
+    return path, drawn[row]
+
+
 @torch.inference_mode()
 def generate(
     target: PreTrainedModel,
@@ -303,13 +402,9 @@ def generate(
         # Verify all proposed tokens in one target forward.
         inputs = torch.cat([ids[:, -1], draft])[None]
         if tree:
-            if not sampling.greedy:
-                raise ValueError(
-                    "tree proposals are verified greedily only (temperature 0); with sampling, "
-                    "use a chain drafter"
-                )
             par = proposal.parents.tolist()  # sync: the tree's shape builds the mask on the host
             mask, pos, _ = _tree_inputs(par, past, device)
+            kids = None if sampling.greedy else _tree_children(par, device)
             out = target(
                 input_ids=inputs,
                 cache=cache,
@@ -326,9 +421,17 @@ def generate(
         logits = out.logits[0]
 
         if tree:
-            read = torch.cat([logits.argmax(dim=-1), draft]).tolist()  # sync: the step's outcome
-            toks = read[n + 1 :]
-            path, nxt = _accept_tree_greedy(read[: n + 1], toks, par)
+            if kids is None:
+                decision = logits.argmax(dim=-1)  # [n + 1]
+            else:  # [2 (n + 1)]
+                tree_proposal = Proposal(draft, proposal.probs, proposal.parents)
+                decision = _accept_tree_sampled(logits, tree_proposal, kids, sampling, generator)
+            read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome
+            toks = read[-n:]
+            if kids is None:
+                path, nxt = _accept_tree_greedy(read[: n + 1], toks, par)
+            else:
+                path, nxt = _tree_path(read[: n + 1], read[n + 1 : 2 * n + 2])
             accepted = len(path)
             emitted = [toks[row - 1] for row in path] + [nxt]
             kept_rows = torch.tensor([0, *path], device=device)

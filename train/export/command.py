@@ -53,10 +53,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...heads import families
 from ..config import cfg_field, parse_config
 from ..device import DEVICE_HELP, device_problem, resolve_device
 from ..errors import cli_main
-from .common import ExportError, MissingCheckpointError, NonFiniteError
+from .common import ExportError, ExportRequest, MissingCheckpointError, NonFiniteError
 
 __all__ = [
     "FORMATS",
@@ -70,7 +71,8 @@ __all__ = [
     "recorded_target",
 ]
 
-FORMATS = ("speculators", "eagle3", "eagle", "medusa-vllm", "medusa", "hf")
+#: Every format of the family declaration (heads/families.py), in its order.
+FORMATS = tuple(families.export_formats())
 
 
 @dataclass
@@ -133,46 +135,27 @@ def export(cfg: ExportConfig) -> Path:
         cfg.dtype or ""
     )
     target = export_target(cfg.target, Path(cfg.checkpoint))
-    if cfg.format in ("speculators", "eagle3", "eagle"):
-        from .eagle import export_drafter
-
-        return export_drafter(
-            cfg.format,
-            cfg.checkpoint,
-            cfg.out,
-            target_name_or_path=target,
+    _refuse_existing(cfg)
+    _, fmt = families.export_formats()[cfg.format]
+    writer = families.resolve(fmt.writer)  # the format's entry names its writer
+    return writer(
+        ExportRequest(
+            format=cfg.format,
+            checkpoint=Path(cfg.checkpoint),
+            out=Path(cfg.out),
+            target=target,
             speculative_tokens=cfg.speculative_tokens,
             dtype=dtype,
             metrics_json=cfg.metrics_json,
             overwrite=cfg.overwrite,
+            tokenizer=cfg.tokenizer,
+            device=device,
         )
-    _refuse_existing(cfg)
-    if cfg.format == "medusa-vllm":
-        from .medusa import export_medusa_vllm
-
-        return export_medusa_vllm(cfg.checkpoint, cfg.out, target_name_or_path=target, dtype=dtype)
-    if cfg.format == "medusa":
-        from .medusa import export_medusa_original
-
-        return export_medusa_original(
-            cfg.checkpoint, cfg.out, base_model_name_or_path=target, dtype=dtype
-        )
-    from .hf import export_hf
-
-    if dtype is not None:
-        raise ExportError("dtype: the hf export keeps the draft's own dtype")
-    return export_hf(
-        cfg.checkpoint,
-        cfg.out,
-        tokenizer_src=cfg.tokenizer,
-        overwrite=cfg.overwrite,
-        target_name_or_path=target,
-        device=device,
     )
 
 
 def _refuse_existing(cfg: ExportConfig) -> None:
-    from ..runinfo import OutputExistsError
+    from ..staged import OutputExistsError
 
     if Path(cfg.out).exists() and not cfg.overwrite:
         raise OutputExistsError(f"out: {cfg.out} exists; pass --overwrite to replace it")

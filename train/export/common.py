@@ -14,6 +14,8 @@ Errors: :class:`ExportError` (exit 2: a bad checkpoint, format or flag) and
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import RunError, UsageError
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ExportError",
+    "ExportRequest",
     "MissingCheckpointError",
     "NonFiniteError",
     "check_finite",
@@ -45,6 +48,39 @@ class MissingCheckpointError(ExportError, FileNotFoundError):
 
 class NonFiniteError(RunError):
     """Weights hold NaN or inf; the message names each such tensor."""
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """One export, as every format's writer takes it (``writer(request) -> Path``).
+
+    The writer of each format is named in the family declaration
+    (:class:`~draftsmith.heads.families.ExportFormat`); ``draftsmith export`` builds the request
+    from its flags.
+
+    Attributes:
+        format: the ``--format`` name.
+        checkpoint: what the recipe saved (a drafter, heads or draft directory).
+        out: the export directory (written staged, then renamed into place).
+        target: the target's name as the export records it (a Hub id, or a local directory).
+        speculative_tokens: k, the draft tokens per step an EAGLE export advertises.
+        dtype: cast weights to this dtype; None keeps the checkpoint's.
+        metrics_json: an evaluation results JSON for the model card's τ.
+        overwrite: replace an existing ``out``.
+        tokenizer: where the hf export takes the tokenizer from (default: the checkpoint).
+        device: where the hf export's reload check runs.
+    """
+
+    format: str
+    checkpoint: Path
+    out: Path
+    target: str
+    speculative_tokens: int = 3
+    dtype: torch.dtype | None = None
+    metrics_json: Path | None = None
+    overwrite: bool = False
+    tokenizer: str | None = None
+    device: torch.device | None = None
 
 
 def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:

@@ -44,7 +44,7 @@ How EAGLE-3's aux layer ids are numbered for each server: see
 
 Writes are atomic: everything goes into a temporary directory beside ``out`` that is checked
 (every exported tensor re-read and compared with the source) and renamed into place, so a crash
-never leaves a half export under the final name (:func:`~draftsmith.train.runinfo.staged_dir`:
+never leaves a half export under the final name (:func:`~draftsmith.train.staged.staged_dir`:
 free space checked first, readable by other users, dead writers' temp dirs removed). Tensors
 with NaN or inf are refused. :func:`load_export` maps an export back to an
 :class:`~draftsmith.heads.eagle_model.EagleDrafter` for round-trip tests.
@@ -58,12 +58,15 @@ from typing import Any
 
 import torch
 
+from ...heads import families
 from ...heads.eagle_config import EagleConfig
 from ...heads.eagle_model import EagleDrafter
 from ..errors import RunError
-from ..runinfo import json_text, staged_dir
+from ..runinfo import json_text
+from ..staged import staged_dir
 from .common import (
     ExportError,
+    ExportRequest,
     MissingCheckpointError,
     check_finite,
     target_facts,
@@ -88,9 +91,15 @@ __all__ = [
     "export_eagle3",
     "export_speculators",
     "load_export",
+    "write",
 ]
 
-FORMATS = ("speculators", "eagle3", "eagle")
+#: The formats this module writes (:func:`write`), as the family declaration lists them.
+FORMATS = tuple(
+    name
+    for name, (_, fmt) in families.export_formats().items()
+    if fmt.writer == "train.export.eagle:write"
+)
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -230,21 +239,18 @@ def _resolve_dtype(dtype: torch.dtype | str | None, state: dict[str, torch.Tenso
     return dtype
 
 
-#: Per format: the EAGLE version it holds, and the export to use for the other version.
-_HOLDS = {
-    "speculators": (3, "export_eagle"),
-    "eagle3": (3, "export_eagle"),
-    "eagle": (1, "export_speculators"),
-}
-
-
 def _config(
     fmt: str, cfg: EagleConfig, dtype: torch.dtype, target: str | None, arch: list[str], k: int
 ) -> dict[str, Any]:
     """The ``config.json`` of ``fmt`` (:mod:`~draftsmith.train.export.eagle_config`)."""
-    version, other = _HOLDS[fmt]
-    if cfg.version != version:
-        raise ExportError(f"the {fmt} format holds EAGLE-{version} drafters; use {other}")
+    family, _ = families.export_formats()[fmt]
+    if family.checkpoint != ("version", cfg.version):  # the family's discriminator
+        drafter = families.FAMILIES[f"eagle{cfg.version}"]
+        others = " or ".join(f.name for f in drafter.exports)
+        raise ExportError(
+            f"the {fmt} format holds {family.title} drafters, this is an {drafter.title} "
+            f"drafter: use --format {others}"
+        )
     if fmt == "speculators":
         return speculators_config(cfg, dtype, target, arch, k)
     return eagle3_config(cfg, dtype) if fmt == "eagle3" else eagle1_config(cfg, dtype)
@@ -301,7 +307,7 @@ def export_drafter(
     """
     from safetensors.torch import load_file, save_file
 
-    if fmt not in _HOLDS:
+    if fmt not in FORMATS:
         raise ExportError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     arch: list[str] = []
     if fmt == "speculators":
@@ -316,7 +322,7 @@ def export_drafter(
     cfg, state = _read_drafter(src)
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        from ..runinfo import OutputExistsError
+        from ..staged import OutputExistsError
 
         raise OutputExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     want = _resolve_dtype(dtype, state)
@@ -357,6 +363,20 @@ def export_drafter(
         if bad or set(written) != set(tensors):
             raise RunError(f"export check failed: tensors {bad} differ after writing")
     return out
+
+
+def write(request: ExportRequest) -> Path:
+    """The EAGLE formats' writer in the family declaration: :func:`export_drafter`."""
+    return export_drafter(
+        request.format,
+        request.checkpoint,
+        request.out,
+        target_name_or_path=request.target,
+        speculative_tokens=request.speculative_tokens,
+        dtype=request.dtype,
+        metrics_json=request.metrics_json,
+        overwrite=request.overwrite,
+    )
 
 
 def export_speculators(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...heads import families
 from ...heads.eagle_config import EagleConfig
 from .common import ExportError, target_card_lines
 from .eagle_config import CONFIG_FILE, read_json
@@ -99,12 +100,6 @@ def provenance(src: Path, metrics_json: str | Path | None) -> dict[str, Any]:
 # Model card
 # --------------------------------------------------------------------------------------------
 
-_TITLES = {
-    "speculators": "EAGLE-3 drafter (vLLM / speculators format)",
-    "eagle3": "EAGLE-3 drafter (SGLang / original EAGLE-3 format)",
-    "eagle": "EAGLE-1 drafter (vLLM `eagle` format)",
-}
-
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
@@ -115,7 +110,10 @@ def _fmt(value: Any) -> str:
 
 
 def _usage(fmt: str, target: str, k: int) -> list[str]:
-    if fmt == "speculators":
+    """How the format's engine serves it, with the engine's method name from the declaration."""
+    export = families.export_formats()[fmt][1]
+    method = export.method
+    if fmt == "speculators":  # its config.json names the verifier: `vllm serve DIR` suffices
         return [
             "```bash",
             "# the verifier (target) is read from config.json",
@@ -123,15 +121,16 @@ def _usage(fmt: str, target: str, k: int) -> list[str]:
             "```",
             "```python",
             "from vllm import LLM",
-            f'llm = LLM(model="{target}", speculative_config={{"method": "eagle3", '
+            f'llm = LLM(model="{target}", speculative_config={{"method": "{method}", '
             f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
             "```",
         ]
-    if fmt == "eagle3":
+    if export.engine == "sglang":
         return [
             "```bash",
             f"python -m sglang.launch_server --model-path {target} \\",
-            "    --speculative-algorithm EAGLE3 --speculative-draft-model-path <this directory> \\",
+            f"    --speculative-algorithm {method} \\",
+            "    --speculative-draft-model-path <this directory> \\",
             f"    --speculative-num-steps {k} --speculative-eagle-topk 1 "
             f"--speculative-num-draft-tokens {k + 1}",
             "```",
@@ -139,7 +138,7 @@ def _usage(fmt: str, target: str, k: int) -> list[str]:
     return [
         "```python",
         "from vllm import LLM",
-        f'llm = LLM(model="{target}", speculative_config={{"method": "eagle", '
+        f'llm = LLM(model="{target}", speculative_config={{"method": "{method}", '
         f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
         "```",
     ]
@@ -193,7 +192,7 @@ def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k:
         "tags: [speculative-decoding, eagle, draftsmith]",
         "---",
         "",
-        f"# {_TITLES[fmt]}",
+        f"# {families.export_formats()[fmt][1].title}",
         "",
         f"A draft head trained by draftsmith for **{target}**. The target verifies every "
         "proposed token, so outputs are the target's own (greedy) or follow its distribution "

@@ -13,7 +13,7 @@ model in vLLM (``speculative_config={"method": "draft_model", "model": <out>, ..
 
 Writes are atomic: everything goes into a temporary directory beside ``out`` that is renamed into
 place once complete (and, on export, reloaded and checked), so a crash never leaves a half model
-under the final name (:func:`~draftsmith.train.runinfo.staged_dir`: free space checked first,
+under the final name (:func:`~draftsmith.train.staged.staged_dir`: free space checked first,
 readable by other users, dead writers' temp dirs removed). An export of weights holding NaN or
 inf is refused.
 """
@@ -27,9 +27,11 @@ import torch
 
 from ..device import device_facts, resolve_device
 from ..errors import RunError
-from ..runinfo import OutputExistsError, json_text, staged_dir
+from ..runinfo import json_text
+from ..staged import OutputExistsError, staged_dir
 from .common import (
     ExportError,
+    ExportRequest,
     MissingCheckpointError,
     check_finite,
     target_card_lines,
@@ -40,7 +42,7 @@ from .common import (
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["INFO_FILE", "export_hf", "model_card", "save_draft"]
+__all__ = ["INFO_FILE", "export_hf", "model_card", "save_draft", "write"]
 
 #: Training metadata written beside the weights (read back by :func:`export_hf` for the card).
 INFO_FILE = "draftsmith_draft.json"
@@ -191,6 +193,20 @@ def _probe_ids(vocab_size: int, device: torch.device, length: int = 16) -> torch
     """
     g = torch.Generator(device="cpu").manual_seed(0)
     return torch.randint(0, vocab_size, (1, length), generator=g).to(device)
+
+
+def write(request: ExportRequest) -> Path:
+    """The ``hf`` format's writer in the family declaration: :func:`export_hf`."""
+    if request.dtype is not None:
+        raise ExportError("dtype: the hf export keeps the draft's own dtype")
+    return export_hf(
+        request.checkpoint,
+        request.out,
+        tokenizer_src=request.tokenizer,
+        overwrite=request.overwrite,
+        target_name_or_path=request.target,
+        device=request.device or "auto",
+    )
 
 
 def export_hf(

@@ -23,7 +23,7 @@ L layers share one weight. Heads with L > 1 distinct layers cannot be written in
 (loading would keep one layer); :func:`export_medusa_original` refuses them.
 
 Both exports are written to a temporary directory beside ``out_dir`` and moved into place
-(:func:`~draftsmith.train.runinfo.staged_dir`: free space checked first, readable by other
+(:func:`~draftsmith.train.staged.staged_dir`: free space checked first, readable by other
 users, dead writers' temp dirs removed), so ``out_dir`` never holds a half-written export.
 Heads holding NaN or inf are refused. Each gets a short README.md and a
 ``draftsmith_export.json`` (format, source, the target as
@@ -40,9 +40,11 @@ from typing import Any
 import torch
 
 from ...heads.medusa import ACCURACY_FILE, FORMAT, WEIGHTS_FILE, MedusaHeads, load_medusa
-from ..runinfo import json_text, staged_dir
+from ..runinfo import json_text
+from ..staged import staged_dir
 from .common import (
     ExportError,
+    ExportRequest,
     MissingCheckpointError,
     check_finite,
     target_card_lines,
@@ -57,6 +59,8 @@ __all__ = [
     "export_medusa_original",
     "export_medusa_vllm",
     "load_medusa_export",
+    "write_original",
+    "write_vllm",
 ]
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -206,6 +210,20 @@ def export_medusa_vllm(
 
     weights = (VLLM_WEIGHTS, tensors)
     return _write_export(Path(out_dir), "medusa-vllm", weights, config, readme, src_dir, facts)
+
+
+def write_vllm(request: ExportRequest) -> Path:
+    """The ``medusa-vllm`` format's writer in the family declaration."""
+    return export_medusa_vllm(
+        request.checkpoint, request.out, target_name_or_path=request.target, dtype=request.dtype
+    )
+
+
+def write_original(request: ExportRequest) -> Path:
+    """The ``medusa`` format's writer in the family declaration."""
+    return export_medusa_original(
+        request.checkpoint, request.out, base_model_name_or_path=request.target, dtype=request.dtype
+    )
 
 
 def export_medusa_original(

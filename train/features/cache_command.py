@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from ...heads import families
 from ..config import cfg_field
 from ..core.dist import process_state
-from ..data.vocab import load_token_data
+from ..data.tokens import load_token_data
 from ..device import (
     DEVICE_HELP,
     device_facts,
@@ -34,7 +35,7 @@ from ..device import (
 from ..errors import UsageError, cli_main
 from .cache_format import DTYPES, CacheError
 from .cache_write import build_cache
-from .source import check_layers, default_layers, scan_token_data
+from .source import check_layers, scan_token_data
 
 __all__ = ["CacheConfig", "main_cache", "run_cache"]
 
@@ -57,8 +58,9 @@ class CacheConfig:
     )
     preset: str = cfg_field(
         "eagle3",
-        help="layers when --layers is not given: eagle3 = [2, n/2, n-3, n], eagle1/medusa = [n]",
-        choices=["eagle3", "eagle1", "medusa"],
+        help="layers when --layers is not given: the family's (heads/families.py) plus the final "
+        "output n; eagle3 = [2, n/2, n-3, n], eagle1/medusa = [n]",
+        choices=list(families.cache_presets()),
     )
     dtype: str = cfg_field("bf16", help="storage dtype", choices=list(DTYPES))
     target_dtype: str = cfg_field(
@@ -278,7 +280,7 @@ def _build(cfg: CacheConfig, model: Any, tokenizer: Any, data: Any, state: Any) 
     """:func:`build_cache` for a loaded target (an HF model or a ``VllmTarget``)."""
     from ..data.chat import template_fingerprint
 
-    layers = cfg.layers or default_layers(cfg.preset, int(model.config.num_hidden_layers))
+    layers = cfg.layers or families.cache_layers(cfg.preset, int(model.config.num_hidden_layers))
     eos = []
     for v in (tokenizer.eos_token_id, model.config.eos_token_id):
         eos += [v] if isinstance(v, int) else list(v or [])
@@ -325,7 +327,7 @@ def _vllm_target(cfg: CacheConfig, data: Any, state: Any) -> Iterator[tuple[Any,
     tokenizer = load_tokenizer(target_dir)
     config = AutoConfig.from_pretrained(target_dir)
     num_layers = int(config.num_hidden_layers)
-    layers = check_layers(cfg.layers or default_layers(cfg.preset, num_layers), num_layers)
+    layers = check_layers(cfg.layers or families.cache_layers(cfg.preset, num_layers), num_layers)
     lengths, _ = scan_token_data(data, cfg.max_length, int(config.vocab_size))
     if len(lengths) == 0:
         raise CacheError("the tokenized data holds no samples")

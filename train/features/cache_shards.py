@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import safety
+from ..staged import staged_file
 from .cache_format import META_KEY, DiskSpaceError
 from .source import run_target
 
@@ -128,25 +129,26 @@ def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     from safetensors.torch import save_file
 
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + (1 << 16)
-    safety.ensure_free_space(path.parent, need)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        # One metadata key holding sorted JSON: safetensors writes a multi-key metadata map in
-        # hash order, which would make otherwise identical shards differ byte-wise between runs.
-        save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(metadata, sort_keys=True)})
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except Exception as exc:
-        tmp.unlink(missing_ok=True)
-        if safety.disk_full(exc):
-            raise DiskSpaceError(path.parent, need, detail=f"writing {path.name}") from exc
-        raise
     # safetensors creates files 0600; ranks/trainers running as other users must read them.
-    tmp.chmod(0o644)
-    os.replace(tmp, path)
+    with staged_file(path, need_bytes=need, mode=0o644) as tmp:
+        try:
+            # One metadata key holding sorted JSON: safetensors writes a multi-key metadata map
+            # in hash order, which would make otherwise identical shards differ byte-wise
+            # between runs.
+            save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(metadata, sort_keys=True)})
+            # fsync before the rename (only here): a shard is large and kept across a resume,
+            # so after a power loss its name must not point at unwritten blocks.
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except Exception as exc:
+            # The cache's own DiskSpaceError, which says what to shrink (staged_file would
+            # raise the plain one).
+            if safety.disk_full(exc):
+                raise DiskSpaceError(path.parent, need, detail=f"writing {path.name}") from exc
+            raise
     return path.stat().st_size
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ from ..data.vocab import VOCAB_STATS_FILE, save_vocab_stats, token_counts
 from ..device import device_facts
 from ..runinfo import json_text, output_lock
 from ..safety import fmt_bytes, free_bytes
+from ..staged import clean_stale_dirs, staged_file, write_atomic
 from .cache_format import (
     DTYPES,
     FORMAT,
@@ -257,8 +259,9 @@ def build_cache(
         mine = [k for k in range(state.process_index, len(plan.shards), state.num_processes)]
         todo = [k for k in mine if k not in set(done)]
         skipped = [k for k in mine if k in set(done)]
-        for k in todo:  # a temp file left by a killed writer of one of our shards
-            (out / f".{shard_name(k)}.tmp").unlink(missing_ok=True)
+        for k in todo:  # temp files left by killed writers of our shards
+            # exclusive: the lock and the plan give each shard to one process, this one.
+            clean_stale_dirs(out / shard_name(k), exclusive=True)
 
         written: list[int] = []
         my_tokens = sum(plan.shard_tokens[k] for k in todo)
@@ -337,19 +340,13 @@ def build_cache(
 
 
 def _progress_bar(total: int, enabled: bool, state: Any) -> Any:
-    from tqdm.auto import tqdm
+    from ..progress import progress
 
     desc = "hidden states" + (
         f" (rank 0 of {state.num_processes})" if state.num_processes > 1 else ""
     )
-    return tqdm(
-        total=total,
-        unit="tok",
-        unit_scale=True,
-        desc=desc,
-        disable=not enabled,
-        dynamic_ncols=True,
-        smoothing=0.1,
+    return progress(
+        total=total, unit="tok", unit_scale=True, desc=desc, disable=not enabled, smoothing=0.1
     )
 
 
@@ -382,8 +379,8 @@ def _prepare_out_dir(out: Path, plan_hash: str, num_shards: int, overwrite: bool
         (out / name).unlink(missing_ok=True)
     for p in out.glob("shard-*.safetensors"):
         p.unlink()
-    for p in out.glob(".shard-*.tmp"):
-        p.unlink()
+    for p in out.glob(".shard-*.tmp-*"):  # shard writes killed while staged (train/staged.py)
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _finalize(
@@ -442,18 +439,16 @@ def _finalize(
         raise CacheError(f"samples {np.nonzero(shard_of < 0)[0][:5].tolist()} are in no shard")
     if not np.array_equal(length, lengths):
         raise CacheError("shard contents disagree with the data's lengths (mixed caches?)")
-    tmp = out / f".{INDEX_FILE}.tmp"
-    save_file(
-        {
-            "shard": torch.from_numpy(shard_of),
-            "offset": torch.from_numpy(offset),
-            "length": torch.from_numpy(length),
-        },
-        str(tmp),
-        metadata={"plan": plan_hash},
-    )
-    tmp.chmod(0o644)
-    tmp.replace(out / INDEX_FILE)
+    with staged_file(out / INDEX_FILE, mode=0o644) as tmp:  # safetensors creates 0600 files
+        save_file(
+            {
+                "shard": torch.from_numpy(shard_of),
+                "offset": torch.from_numpy(offset),
+                "length": torch.from_numpy(length),
+            },
+            str(tmp),
+            metadata={"plan": plan_hash},
+        )
     ids = [r[2] for r in _fetch_ids(data)]
     _write_json(out / IDS_FILE, ids, indent=None)
     counts = token_counts(data, vocab_size, max_length=max_length)
@@ -533,6 +528,4 @@ def _fetch_ids(data: Any) -> list[tuple[None, None, str]]:
 
 
 def _write_json(path: Path, obj: Any, indent: int | None) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json_text(obj, indent=indent) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json_text(obj, indent=indent) + "\n")

@@ -34,7 +34,7 @@ import torch
 
 from ...heads.base import unwrap_model
 from ..data.batching import Collate, TokenDataset
-from ..data.vocab import iter_token_chunks
+from ..data.tokens import iter_token_chunks
 from .cache_format import CacheError
 from .cache_read import HiddenStateCache
 
@@ -45,7 +45,6 @@ __all__ = [
     "check_layers",
     "compute_hidden_states",
     "dataset_fingerprint",
-    "default_layers",
     "feature_source",
     "run_target",
     "scan_token_data",
@@ -67,27 +66,6 @@ HASH_SCHEME = (
 # --------------------------------------------------------------------------------------------
 # Identity of what went into a cache
 # --------------------------------------------------------------------------------------------
-
-
-def default_layers(kind: str, num_layers: int) -> list[int]:
-    """Feature layers a drafter kind reads (:data:`~draftsmith.heads.base.Features` convention).
-
-    EAGLE-3 fuses a low, a middle and a high layer (outputs of layers 1, n/2-1 and n-4, as in
-    SpecForge/vLLM) and trains against the final normed output; EAGLE-1 and Medusa read the
-    final output only.
-
-    Args:
-        kind: ``eagle3``, ``eagle1`` or ``medusa``.
-        num_layers: the target's ``num_hidden_layers``.
-
-    Returns:
-        e.g. ``[2, 15, 27, 30]`` for EAGLE-3 on a 30-layer target.
-    """
-    if kind == "eagle3":
-        return sorted({2, num_layers // 2, num_layers - 3, num_layers})
-    if kind in ("eagle1", "medusa"):
-        return [num_layers]
-    raise ValueError(f"unknown drafter kind {kind!r}; expected eagle3, eagle1 or medusa")
 
 
 def target_weights_hash(path: str | Path) -> str:
@@ -173,7 +151,7 @@ def dataset_fingerprint(data: Any, max_length: int | None = None) -> str:
     ``id`` column is not included (it does not change any tensor).
 
     Args:
-        data: see :func:`draftsmith.train.data.vocab.iter_token_chunks`.
+        data: see :func:`draftsmith.train.data.tokens.iter_token_chunks`.
         max_length: if set, samples are hashed as truncated to this many tokens.
 
     Returns:

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+from ..report.text import minutes
+
 __all__ = [
     "PROBE_REFERENCE",
     "RATES",
@@ -41,6 +43,7 @@ __all__ = [
     "Rates",
     "generation_batch_size",
     "make_plan",
+    "plan_lines",
     "probe_rates",
     "speed_factor",
     "train_schedule",
@@ -504,8 +507,9 @@ def _measure(
     """The four probes on a loaded bf16 target; tokens/s keyed as :data:`PROBE_REFERENCE`."""
     import torch
 
+    from ...heads.families import cache_layers
     from ..datagen.generation import generate_batch
-    from ..features.source import default_layers, run_target
+    from ..features.source import run_target
 
     config = model.config
     rows, width = PROBE_SHAPE
@@ -516,7 +520,7 @@ def _measure(
         model(input_ids=ids[:1, :8])  # the first forward sets up kernels and the allocator
 
     # The hidden-state cache: one forward with every hidden state, the cached layers to the host.
-    layers = default_layers("eagle3", int(config.num_hidden_layers))
+    layers = cache_layers("eagle3", int(config.num_hidden_layers))
 
     def cache_forward() -> tuple[torch.Tensor, ...]:
         with torch.no_grad():  # not inference_mode: the training probe reads these tensors
@@ -592,3 +596,42 @@ def _train_seconds(
 
     step()  # the first step allocates the optimizer's state
     return _fastest(step, timer)[0]
+
+
+def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
+    """What the job prints before its first stage: the target, budget and output, the plan's
+    sizes and estimated times, and a note when they exceed the budget.
+
+    Args:
+        plan: the job's plan.
+        cfg: the quickstart's settings (``target``, ``budget_minutes``, ``max_new_tokens``).
+        out: the output directory as shown.
+
+    Returns:
+        ``(text, style)`` pairs, the style a rich one or None.
+    """
+    answered = plan.records if plan.records is not None else plan.seeds + plan.magpie
+    answered = min(answered, plan.seeds + plan.magpie)
+    lines: list[tuple[str, str | None]] = [
+        (
+            f"quickstart: train an EAGLE-3 drafter for {cfg.target or 'SmolLM2-135M-Instruct'}"
+            f" in {cfg.budget_minutes:g} min -> {out}",
+            "bold",
+        ),
+        (
+            f"plan: {plan.seeds} seed prompts + {plan.magpie} written by the target, "
+            f"{answered} answered ({cfg.max_new_tokens} tokens max), training "
+            f"~{minutes(plan.estimates['train'])}, {plan.eval_prompts} held-out prompts "
+            f"evaluated; estimated {minutes(plan.total_s)} in all",
+            None,
+        ),
+    ]
+    if plan.total_s > plan.budget_s:
+        lines.append(
+            (
+                f"note: the estimate exceeds the {cfg.budget_minutes:g}-min budget: the "
+                "sizes asked for need more time than it gives",
+                "yellow",
+            )
+        )
+    return lines

@@ -32,7 +32,8 @@ from typing import Any
 
 from ..errors import RunError, UsageError
 from ..report.text import minutes
-from ..runinfo import run_info, write_json_atomic
+from ..runinfo import run_info
+from ..staged import write_json_atomic
 
 __all__ = [
     "Stage",

@@ -15,9 +15,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...heads import families, registry
 from ..decoding.metrics import identical_text
 from ..errors import UsageError
-from ..runinfo import busy_warning, write_json_atomic
+from ..runinfo import busy_warning
+from ..staged import write_json_atomic
 from .plots import write_plots
 from .recommend import load_costs, recommend
 from .text import (
@@ -86,12 +88,22 @@ def read_training_log(path: str | Path) -> dict[str, Any]:
     }
 
 
-def drafter_family(spec: str) -> str:
-    """``chain``, ``tree`` or ``hf`` (transformers' own loop) for a ``--drafter`` spec."""
-    kind = spec.partition("=")[0]
-    if kind.startswith("hf-"):
-        return "hf"
-    return "tree" if kind.endswith("-tree") else "chain"
+def drafter_family(spec: str) -> dict[str, str | None]:
+    """The family declaration's columns for a ``--drafter`` spec (:mod:`draftsmith.heads.families`).
+
+    Returns:
+        ``{"family": name or None, "shape": "chain" | "tree" | "parallel", "loop": "ours" |
+        "transformers"}``; the family is None for a kind several families share whose
+        checkpoint names none of them.
+    """
+    kind, path = registry.parse_spec(spec)
+    declared = families.kinds()[kind]
+    family = families.family_of(kind, path)
+    return {
+        "family": family.name if family else None,
+        "shape": declared.shape,
+        "loop": declared.loop,
+    }
 
 
 def differs_from_plain(report: dict[str, Any]) -> bool:
@@ -141,12 +153,15 @@ def build_report(
         summaries = []
         for spec, m in zip(specs, methods, strict=True):
             summary = {key: v for key, v in m.items() if key != "per_prompt"}
-            summary["spec"], summary["family"] = spec, drafter_family(spec)
+            summary["spec"] = spec
+            summary.update(drafter_family(spec))
             summary["temperature"] = t
             summaries.append(summary)
-            if summary["family"] == "chain":
+            # A reference in transformers' loop is measured, not recommended.
+            ours = summary["loop"] == "ours"
+            if ours and summary["shape"] == "chain":
                 recs.append({"spec": spec, **recommend(summary, costs, max_k)})
-            elif summary["family"] == "tree":
+            elif ours and summary["shape"] == "tree":
                 trees.append(
                     {
                         "method": m["method"],
@@ -154,8 +169,8 @@ def build_report(
                         "temperature": t,
                         "tree_total_tokens": config.get("tree_total_tokens"),
                         "tree_topk": config.get("tree_topk"),
-                        # Sampled, EAGLE's and Medusa's proposers draft chains (docs/design.md).
-                        "drafts": "tree" if t == 0 else f"chain of k={m['k']} (sampled)",
+                        # Trees at every temperature (sampled: SpecInfer's rule, docs/design.md).
+                        "drafts": "tree",
                         **{
                             key: m.get(key)
                             for key in (
@@ -262,6 +277,8 @@ def results_rows(report: dict[str, Any]) -> list[list[str]]:
             rows.append(
                 [
                     m["method"],
+                    m.get("family") or "-",
+                    m["shape"] if m.get("loop", "ours") == "ours" else f"{m['shape']} (hf loop)",
                     f"{entry['temperature']:g}",
                     str(m["k"]),
                     str(m["num_prompts"]),
@@ -280,6 +297,8 @@ def results_rows(report: dict[str, Any]) -> list[list[str]]:
 
 RESULT_COLUMNS = [
     "method",
+    "family",
+    "shape",
     "T",
     "k",
     "prompts",

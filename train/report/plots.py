@@ -81,11 +81,11 @@ def write_plots(report: dict[str, Any], folder: Path) -> list[Path]:
             if is_finite_number(rec["measured_speedup"]):
                 ax.plot([rec["run_k"]], [rec["measured_speedup"]], "*", color=color, ms=12)
             ax.plot([rec["best_k"]], [rec["best_predicted_speedup"]], "o", mfc="none", color=color)
-        others = [m for m in entry["methods"] if m["family"] != "chain"]
+        others = [m for m in entry["methods"] if m["shape"] != "chain" or m["loop"] != "ours"]
         for j, m in enumerate(others):
             if not is_finite_number(m.get("speedup")):
                 continue
-            tree = m["family"] == "tree" and t == 0
+            tree = m["shape"] == "tree" and t == 0
             x = int(entry["evaluate_config"].get("tree_total_tokens") if tree else m["k"])
             ticks.add(x)
             ax.plot(
@@ -97,7 +97,7 @@ def write_plots(report: dict[str, Any], folder: Path) -> list[Path]:
                 label=f"{m['method']} (measured)",
             )
         ax.axhline(1.0, color="grey", lw=0.8)
-        if any(m["family"] == "tree" for m in others) and t == 0:
+        if any(m["shape"] == "tree" for m in others) and t == 0:
             ax.set_xscale("log", base=2)  # tree sizes (8-64) beside chain lengths (1-8)
         if ticks:
             ax.set_xticks(sorted(ticks), [str(x) for x in sorted(ticks)])

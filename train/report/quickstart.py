@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ...heads.families import FAMILIES
 from .text import fmt_number, minutes
 
-if TYPE_CHECKING:
-    from ..jobs.budget import Plan
-
-__all__ = ["plan_lines", "summary_lines", "summary_markdown", "vllm_serve_command"]
+__all__ = ["summary_lines", "summary_markdown", "vllm_serve_command"]
 
 
 def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
@@ -32,47 +30,9 @@ def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
     from ..target_model.load import describe_target
 
     name = describe_target(str(target))["target"]
-    spec = {"method": "eagle3", "num_speculative_tokens": k, "model": str(export)}
+    method = FAMILIES["eagle3"].vllm_export().method
+    spec = {"method": method, "num_speculative_tokens": k, "model": str(export)}
     return shlex.join(["vllm", "serve", name, "--speculative-config", json.dumps(spec)])
-
-
-def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
-    """What the job prints before its first stage: the target, budget and output, the plan's
-    sizes and estimated times, and a note when they exceed the budget.
-
-    Args:
-        plan: the job's plan.
-        cfg: the quickstart's settings (``target``, ``budget_minutes``, ``max_new_tokens``).
-        out: the output directory as shown.
-
-    Returns:
-        ``(text, style)`` pairs, the style a rich one or None.
-    """
-    answered = plan.records if plan.records is not None else plan.seeds + plan.magpie
-    answered = min(answered, plan.seeds + plan.magpie)
-    lines: list[tuple[str, str | None]] = [
-        (
-            f"quickstart: train an EAGLE-3 drafter for {cfg.target or 'SmolLM2-135M-Instruct'}"
-            f" in {cfg.budget_minutes:g} min -> {out}",
-            "bold",
-        ),
-        (
-            f"plan: {plan.seeds} seed prompts + {plan.magpie} written by the target, "
-            f"{answered} answered ({cfg.max_new_tokens} tokens max), training "
-            f"~{minutes(plan.estimates['train'])}, {plan.eval_prompts} held-out prompts "
-            f"evaluated; estimated {minutes(plan.total_s)} in all",
-            None,
-        ),
-    ]
-    if plan.total_s > plan.budget_s:
-        lines.append(
-            (
-                f"note: the estimate exceeds the {cfg.budget_minutes:g}-min budget: the "
-                "sizes asked for need more time than it gives",
-                "yellow",
-            )
-        )
-    return lines
 
 
 def _identical(summary: dict[str, Any]) -> str:

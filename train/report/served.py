@@ -4,8 +4,8 @@
 ``--vllm-url [LABEL=]URL`` (servers already running) adds what a user's serving engine makes
 of the drafters the bench measured in our loop:
 
-* **plans** (:func:`served_plans`): each ``--drafter`` spec whose kind declares how vLLM serves
-  it (:attr:`~draftsmith.heads.base.DrafterKind.vllm`: an export format and vLLM's
+* **plans** (:func:`served_plans`): each ``--drafter`` spec whose family declares how vLLM serves
+  it (:func:`~draftsmith.heads.families.vllm_serving`: its vLLM export format and vLLM's
   ``speculative_config`` method) is exported with ``draftsmith export`` and served beside a
   plain server of the same target; trees and HF's own loops are listed as not served;
 * **measurement** (:func:`measure`): the first ``limit`` prompts of the bench, token ids sent
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...heads import registry
+from ...heads import families, registry
 from ...heads.sampling import SamplingParams
 from ..decoding.results import summarize_entries
 from ..errors import UsageError
@@ -114,11 +114,9 @@ def served_plans(
     plans, skipped = [ServedPlan(label="plain")], []
     for spec in drafters:
         kind, path = registry.parse_spec(spec)
-        how = registry.DRAFTERS[kind].vllm
-        plan = how(path) if how is not None else None
-        if isinstance(plan, str) or plan is None:
-            reason = plan or "vLLM has no serving of this kind"
-            skipped.append({"drafter": spec, "reason": reason})
+        plan = families.vllm_serving(kind, path)
+        if isinstance(plan, str):
+            skipped.append({"drafter": spec, "reason": plan})
             continue
         export_format, method = plan
         served = ServedPlan(label=spec, method=method, export_format=export_format, checkpoint=path)

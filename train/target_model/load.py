@@ -145,7 +145,8 @@ def load_target(
             :func:`draftsmith.train.device.resolve_device`).
         device_map: Spread the model over the visible devices instead (``auto``, ``balanced``,
             ``sequential``, ...; passed to ``from_pretrained``), for targets larger than one.
-        quiet: Suppress the progress messages of preparing the target (e.g. on non-main ranks).
+        quiet: Suppress the progress messages of preparing the target and transformers'
+            loading bar (e.g. on non-main ranks); off a terminal that bar is never shown.
 
     Returns:
         ``(model, tokenizer)``.
@@ -155,12 +156,16 @@ def load_target(
     """
     from transformers import AutoModelForCausalLM
 
+    from ..progress import hf_progress_bars
+
     # The tokenizer is loaded right below anyway, so skip the duplicate check in validation.
     path = _prepare(source, cache_dir=cache_dir, force=False, quiet=quiet, check_tokenizer=False)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa", device_map=device_map
-        )
+        # transformers' "Loading weights" bar: a carriage return per tensor group in a log.
+        with hf_progress_bars(enabled=not quiet):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", device_map=device_map
+            )
     except Exception as exc:
         raise TargetError(f"cannot load target model weights from {path}: {exc}") from exc
     tokenizer = load_tokenizer(path)
