@@ -27,6 +27,7 @@ import torch
 
 from ..device import device_facts, resolve_device
 from ..errors import RunError
+from ..progress import hf_progress_bars
 from ..runinfo import json_text
 from ..staged import OutputExistsError, staged_dir
 from .common import (
@@ -270,7 +271,8 @@ def export_hf(
             f"cannot load a tokenizer from {tok_dir}: {exc}{hint}"
         ) from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(src).eval()
+        with hf_progress_bars():  # the loading bar on a terminal only, not as `\r` runs in logs
+            model = AutoModelForCausalLM.from_pretrained(src).eval()
     except Exception as exc:  # missing/damaged weights, an unknown architecture
         raise ExportError(f"{src}: cannot load the draft model: {exc}") from exc
     check_finite(model.state_dict(), str(src))
@@ -293,7 +295,8 @@ def export_hf(
     # Check the export really is the same model (not merely loadable): same logits, bit for bit,
     # both models on one device (the same kernels, so equal weights give equal bits).
     model.to(device)
-    reloaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()
+    with hf_progress_bars():
+        reloaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()
     ids = _probe_ids(min(rows, len(tokenizer)), device)
     with torch.no_grad():
         same = torch.equal(model(ids).logits, reloaded(ids).logits)

@@ -324,7 +324,12 @@ def _hub_snapshot(repo_id: str) -> Path:
     )
 
     def fetch(patterns: list[str]) -> Path:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=["*/*"]))
+        from ..progress import hf_progress_bars
+
+        with hf_progress_bars():  # download bars on a terminal only: no `\r` runs in logs
+            return Path(
+                snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=["*/*"])
+            )
 
     try:
         path = fetch(_HUB_PATTERNS)
