@@ -165,15 +165,17 @@ RECIPES: dict[str, Recipe] = {
 
 _TREES_NOT_SERVED = "the bench serves chains; serve the chain kind of this drafter"
 _HF_LOOP = "transformers' own loop (a reference)"
+#: EAGLE-1 and EAGLE-3 share their kinds; a checkpoint's ``version`` tells them apart.
+_EAGLE_KINDS = (
+    Kind("eagle", "heads.eagle:EAGLE"),
+    Kind("eagle-tree", "heads.eagle:EAGLE_TREE", "tree", serves=_TREES_NOT_SERVED),
+)
 
 FAMILIES: dict[str, Family] = {
     "eagle3": Family(
         "eagle3",
         "EAGLE-3",
-        kinds=(
-            Kind("eagle", "heads.eagle:EAGLE"),
-            Kind("eagle-tree", "heads.eagle:EAGLE_TREE", "tree", serves=_TREES_NOT_SERVED),
-        ),
+        kinds=_EAGLE_KINDS,
         recipe="eagle",
         feature_layers=eagle3_layers,
         exports=(
@@ -197,10 +199,7 @@ FAMILIES: dict[str, Family] = {
     "eagle1": Family(
         "eagle1",
         "EAGLE-1",
-        kinds=(
-            Kind("eagle", "heads.eagle:EAGLE"),
-            Kind("eagle-tree", "heads.eagle:EAGLE_TREE", "tree", serves=_TREES_NOT_SERVED),
-        ),
+        kinds=_EAGLE_KINDS,
         recipe="eagle",
         feature_layers=final_layer,
         exports=(
