@@ -100,6 +100,10 @@ def build_drafter(
     for module in drafter.modules():
         if isinstance(module, nn.Linear):
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * init_std)
+    if cfg.parallel:
+        # Unit-scale like speculators' P-EAGLE init: a zero feature would sit where RMSNorm's
+        # gain is 1/sqrt(eps) and blow up its first gradients.
+        drafter.mask_hidden.copy_(torch.randn(drafter.mask_hidden.shape, generator=gen))
     if cfg.version == 3:
         if (d2t is None) != (t2d is None):
             raise ValueError("pass both d2t and t2d, or neither")
@@ -220,11 +224,30 @@ def build_proposer(path: str | None, options: BuildOptions, tree: bool = False) 
     which EAGLE it is).
     """
     drafter = load_drafter(path, options.target, dtype=options.draft_dtype)
+    if drafter.config.parallel:
+        raise ValueError(
+            f"{path} is a P-EAGLE drafter (trained to draft in parallel): use --drafter "
+            f"peagle={path}"
+        )
     options.fast_linears(drafter)
     proposer = EagleProposer(
         drafter, tree=tree, topk=options.tree_topk, total_tokens=options.tree_total_tokens
     )
     proposer.name = f"eagle{drafter.config.version}-{'tree' if tree else 'chain'}[{path}]"
+    return proposer
+
+
+def build_parallel_proposer(path: str | None, options: BuildOptions) -> EagleProposer:
+    """``peagle=DIR``: a saved P-EAGLE drafter, all k draft positions in one forward."""
+    drafter = load_drafter(path, options.target, dtype=options.draft_dtype)
+    if not drafter.config.parallel:
+        raise ValueError(
+            f"{path} is an EAGLE-{drafter.config.version} drafter, not trained to draft in "
+            f"parallel (its config has no mask_token_id): use --drafter eagle={path}"
+        )
+    options.fast_linears(drafter)
+    proposer = EagleProposer(drafter, parallel=True)
+    proposer.name = f"peagle[{path}]"
     return proposer
 
 
@@ -237,4 +260,9 @@ EAGLE_TREE = DrafterKind(
     lambda path, options: build_proposer(path, options, tree=True),
     path="required",
     help="EAGLE-2 dynamic tree",
+)
+PEAGLE = DrafterKind(
+    build_parallel_proposer,
+    path="required",
+    help="P-EAGLE drafter, all k positions in one forward",
 )

@@ -73,6 +73,11 @@ class EagleConfig:
             vLLM's default) keeps the *un-normed* fused feature as the attention residual and
             feeds ``hidden_norm(feature)`` to attention; True applies ``hidden_norm`` first and
             uses the normed feature for both. Ignored by EAGLE-1.
+        mask_token_id: P-EAGLE (parallel drafting, EAGLE-3 only): the token whose embedding
+            fills the input of every draft position after the first, paired with the learned
+            feature ``mask_hidden``, so one forward drafts all k positions (vLLM's
+            ``parallel_drafting``, which reads this id as the drafter's ``mask_token_id``).
+            None: one position per forward (EAGLE-1 / EAGLE-3).
     """
 
     version: int
@@ -91,6 +96,7 @@ class EagleConfig:
     feature_layers: tuple[int, ...]
     norm_before_residual: bool = False
     rope_scaling: dict[str, Any] | None = None
+    mask_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
@@ -110,6 +116,8 @@ class EagleConfig:
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
         if self.version == 1:
+            if self.mask_token_id is not None:
+                out.append("parallel drafting (mask_token_id) is for EAGLE-3 drafters (P-EAGLE)")
             if self.draft_vocab_size != self.vocab_size:
                 out.append(
                     f"EAGLE-1 uses the target head: draft_vocab_size ({self.draft_vocab_size}) "
@@ -128,6 +136,11 @@ class EagleConfig:
             bad = [i for i in self.feature_layers if not 0 <= i <= n]
             if bad:
                 out.append(f"feature_layers {bad} outside the hidden-state indices [0, {n}]")
+            if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
+                out.append(
+                    f"mask_token_id must be a token id in [0, {self.vocab_size}), "
+                    f"got {self.mask_token_id}"
+                )
             if not 1 <= self.draft_vocab_size <= self.vocab_size:
                 out.append(
                     f"draft_vocab_size must be in [1, {self.vocab_size}], "
@@ -144,6 +157,7 @@ class EagleConfig:
         draft_vocab_size: int | None = None,
         feature_layers: Sequence[int] | None = None,
         norm_before_residual: bool = False,
+        mask_token_id: int | None = None,
     ) -> EagleConfig:
         """A drafter config shaped like one decoder layer of the target.
 
@@ -156,6 +170,8 @@ class EagleConfig:
                 :attr:`~draftsmith.heads.families.Family.feature_layers`, ``[N]`` for EAGLE-1,
                 ``[2, N//2, N-3]`` for EAGLE-3).
             norm_before_residual: see the class docstring.
+            mask_token_id: P-EAGLE: the placeholder token of parallel drafting (see the class
+                docstring); None for a drafter that drafts one position per forward.
         """
         c = target_config
         n = int(c.num_hidden_layers)
@@ -181,6 +197,7 @@ class EagleConfig:
             target_num_layers=n,
             feature_layers=tuple(feature_layers),
             norm_before_residual=norm_before_residual,
+            mask_token_id=mask_token_id,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,6 +230,11 @@ class EagleConfig:
         if missing:
             raise ValueError(f"EagleConfig is missing field(s): {missing}")
         return cls(**d)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the drafter drafts all positions in one forward (P-EAGLE)."""
+        return self.mask_token_id is not None
 
     @property
     def train_layers(self) -> tuple[int, ...]:

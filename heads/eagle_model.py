@@ -18,7 +18,14 @@ export is a rename-free copy:
 ``layers.0.post_attention_layernorm.weight``     both
 ``norm.weight``, ``lm_head.weight``              EAGLE-3 only (``lm_head``: ``[V_draft, H]``)
 ``d2t`` (int64 ``[V_draft]``), ``t2d`` (bool)    EAGLE-3 only buffers (saved)
+``mask_hidden`` ``[1, 3H]``                      P-EAGLE only: the placeholder feature
 ===============================================  =========================================
+
+P-EAGLE (parallel drafting) is an EAGLE-3 drafter whose config names a ``mask_token_id``: draft
+positions after the first read ``(fc(mask_hidden), embed(mask_token_id))`` instead of the
+drafter's own previous output and the previous draft token, so all k positions are drafted in
+one causal forward (vLLM's ``parallel_drafting``: ``combine_hidden_states(mask_hidden)`` paired
+with the mask token for the k-1 extra slots).
 
 No linear layer has a bias: vLLM's EAGLE-1 Llama model builds ``fc`` with ``bias=False`` and skips
 checkpoint tensors it has no parameter for, so a trained ``fc.bias`` (the original SafeAILab
@@ -285,6 +292,10 @@ class EagleDrafter(nn.Module):
             t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
             t2d[: config.draft_vocab_size] = True
             self.register_buffer("t2d", t2d)
+        if config.parallel:
+            # P-EAGLE's placeholder feature, in the fused-feature space (3H) so that ``fc`` maps
+            # it like a target feature, as vLLM does once at load.
+            self.mask_hidden = nn.Parameter(torch.zeros(1, n_in))
         # Plain attribute (not a submodule): kept out of parameters() and state_dict().
         self.shared = SharedTarget(embed_tokens, lm_head if config.version == 1 else None)
         self._rope = _Rotary(config)
@@ -381,6 +392,20 @@ class EagleDrafter(nn.Module):
         for layer in self.layers:
             hidden = layer(inputs_embeds, hidden, rope, attention_mask, cache)
         return hidden, (self.logits(hidden) if return_logits else None)
+
+    def placeholders(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-EAGLE's inputs for draft positions after the first.
+
+        Returns:
+            ``(embeds [batch, length, H], features [batch, length, 3H])``: the mask token's
+            embedding and ``mask_hidden``, to be passed to :meth:`forward` (which fuses the
+            features with ``fc``, keeping every parameter use inside ``forward``).
+        """
+        if not self.config.parallel:
+            raise ValueError("this drafter drafts one position per forward (no mask_token_id)")
+        ids = torch.full((batch, length), self.config.mask_token_id, device=self.device)
+        feats = self.mask_hidden.to(self.dtype).view(1, 1, -1).expand(batch, length, -1)
+        return self.embed(ids), feats
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits of drafter outputs.

@@ -37,6 +37,9 @@ class EagleProposer:
             (EAGLE-2 uses 10 on GPU; 4 suits CPU).
         total_tokens: most tree nodes returned, the best by cumulative draft log-probability
             (EAGLE-2 uses 60; default 24).
+        parallel: P-EAGLE: draft all k positions in the forward that runs the queued target
+            features (placeholders after the first position; one drafter forward per step).
+            Needs a drafter with a ``mask_token_id``; a chain.
     """
 
     def __init__(
@@ -46,10 +49,16 @@ class EagleProposer:
         tree: bool = False,
         topk: int = 4,
         total_tokens: int = 24,
+        parallel: bool = False,
     ) -> None:
         if topk < 1 or total_tokens < 1:
             raise ValueError(f"topk and total_tokens must be >= 1, got {topk}, {total_tokens}")
         self.drafter = unwrap_model(drafter)
+        if parallel and (tree or not self.drafter.config.parallel):
+            raise ValueError(
+                "parallel drafting needs a P-EAGLE drafter (mask_token_id) and a chain"
+            )
+        self.parallel = parallel
         self.tree = tree
         self.topk = topk
         self.total_tokens = total_tokens
@@ -76,12 +85,18 @@ class EagleProposer:
         self._pending.append(self.drafter.feature_tensor(features))
 
     @torch.inference_mode()
-    def _catch_up(self, ids: torch.Tensor) -> torch.Tensor:
-        """Run the queued target features; return the output hidden at the last position.
+    def _catch_up(self, ids: torch.Tensor, placeholders: int = 0) -> torch.Tensor:
+        """Run the queued target features; return the output hidden from the last position on.
+
+        Args:
+            ids: ``[1, L]`` the accepted sequence.
+            placeholders: P-EAGLE: run this many placeholder positions (L-1, L, ...) after the
+                queued ones in the same forward; their cache entries are cropped at accept.
 
         Returns:
-            ``[1, 1, H]``: the drafter's guess of the feature at position L-1, whose logits give
-            the first draft token (position L).
+            ``[1, 1 + placeholders, H]``: the drafter's guess of the feature at position L-1,
+            whose logits give the first draft token (position L), then the placeholders'
+            outputs, whose logits give draft tokens 2, 3, ...
         """
         self._cache.crop(self._real)
         if not self._pending:
@@ -96,11 +111,16 @@ class EagleProposer:
             )
         d = self.drafter
         tokens = ids[:, start + 1 :].to(d.device)  # x_{t+1} for each queued position t
-        pos = torch.arange(start, start + p, device=d.device)[None]
-        hidden, _ = d(d.embed(tokens), feats, pos, cache=self._cache)
+        emb = d.embed(tokens)
+        if placeholders:
+            mask_emb, mask_feats = d.placeholders(1, placeholders)
+            emb = torch.cat([emb, mask_emb], dim=1)
+            feats = torch.cat([feats.to(mask_feats.dtype), mask_feats], dim=1)
+        pos = torch.arange(start, start + p + placeholders, device=d.device)[None]
+        hidden, _ = d(emb, feats, pos, cache=self._cache)
         self._real += p
         self._pending = []
-        return hidden[:, -1:]
+        return hidden[:, p - 1 :]
 
     @torch.inference_mode()
     def propose(
@@ -111,10 +131,32 @@ class EagleProposer:
         generator: torch.Generator | None,
     ) -> Proposal:
         """Draft k tokens (chain) or a tree of depth <= k after ``ids``."""
+        if self.parallel:
+            return self._propose_parallel(ids, k, sampling, generator)
         last = self._catch_up(ids)
         if self.tree:
             return self._propose_tree(last, k, sampling)
         return self._propose_chain(last, k, sampling, generator)
+
+    def _propose_parallel(
+        self,
+        ids: torch.Tensor,
+        k: int,
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> Proposal:
+        """P-EAGLE: the k draft tokens from one forward (queued features + k-1 placeholders).
+
+        Each position's token is drawn from that position's own distribution, which does not
+        depend on the tokens drawn before it (placeholders stand in for them), so row i of
+        ``probs`` is exactly the distribution ``tokens[i]`` was drawn from and the loop's chain
+        acceptance stays lossless.
+        """
+        d = self.drafter
+        hidden = self._catch_up(ids, placeholders=max(k - 1, 0))  # [1, k, H]
+        logits = d.target_logits(d.logits(hidden)[0].float())  # [k, V]
+        tokens, probs = choose(logits, sampling, generator)
+        return Proposal(tokens=tokens, probs=None if sampling.greedy else probs)
 
     def _propose_chain(
         self,

@@ -70,6 +70,8 @@ class ExportFormat:
         method: the engine's name for the method: vLLM's ``speculative_config["method"]``,
             SGLang's ``--speculative-algorithm``; None where the engine has no such setting.
         title: the model card's title.
+        speculative_config: further entries of vLLM's ``speculative_config`` the method needs
+            (P-EAGLE: ``parallel_drafting``), as ``(key, value)`` pairs.
     """
 
     name: str
@@ -77,6 +79,7 @@ class ExportFormat:
     engine: Literal["vllm", "sglang", "transformers", "medusa"]
     method: str | None
     title: str
+    speculative_config: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,13 @@ RECIPES: dict[str, Recipe] = {
         "eagle",
         "recipes.eagle",
         "EagleTrainConfig",
-        "EAGLE-1 / EAGLE-3 drafter on the target's features",
+        "EAGLE-1 / EAGLE-3 / P-EAGLE drafter on the target's features",
+    ),
+    "dflash": Recipe(
+        "dflash",
+        "recipes.dflash",
+        "DFlashTrainConfig",
+        "DFlash block drafter (all block positions in one forward) on the target's features",
     ),
     "medusa": Recipe(
         "medusa", "recipes.medusa", "MedusaConfig", "Medusa-1 / Medusa-2 heads on the target"
@@ -212,6 +221,39 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
         checkpoint=("version", 1),
+    ),
+    "peagle": Family(
+        "peagle",
+        "P-EAGLE",
+        kinds=(Kind("peagle", "heads.eagle:PEAGLE", "parallel"),),
+        recipe="eagle",
+        feature_layers=eagle3_layers,
+        exports=(
+            ExportFormat(
+                "peagle",
+                "train.export.eagle:write",
+                "vllm",
+                "eagle3",
+                "P-EAGLE drafter (vLLM / speculators format, parallel drafting)",
+                speculative_config=(("parallel_drafting", True),),
+            ),
+        ),
+    ),
+    "dflash": Family(
+        "dflash",
+        "DFlash",
+        kinds=(Kind("dflash", "heads.dflash:DFLASH", "parallel"),),
+        recipe="dflash",
+        feature_layers=eagle3_layers,
+        exports=(
+            ExportFormat(
+                "dflash",
+                "train.export.dflash:write",
+                "vllm",
+                "dflash",
+                "DFlash block drafter (vLLM / speculators format)",
+            ),
+        ),
     ),
     "medusa": Family(
         "medusa",

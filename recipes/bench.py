@@ -187,6 +187,11 @@ class BenchConfig:
         help="serve the first N prompts of the bench (a level of c requests needs >= c)",
         ge=1,
     )
+    served_schedule: bool = cfg_field(
+        True,
+        help="also serve each drafter with the recommended num_speculative_tokens_per_batch_size "
+        "schedule and measure it at every load",
+    )
     evaluate_args: list[str] = cfg_field(
         [],
         help="more `draftsmith evaluate` flags (for YAML configs; on the command line just give "

@@ -54,6 +54,7 @@ from ..train.config import cfg_field, parse_config
 from ..train.core.config import TrainConfig
 from ..train.core.data import (
     check_enough_data,
+    default_mask_token,
     eos_ids,
     input_errors,
     load_samples,
@@ -104,6 +105,18 @@ class EagleTrainConfig(TrainConfig):
     draft_vocab_size: int = cfg_field(
         8192, help="EAGLE-3 reduced draft vocabulary: the N most frequent supervised tokens", ge=1
     )
+    parallel_drafting: bool = cfg_field(
+        False,
+        help="P-EAGLE (version 3): train the drafter to draft all k positions in one forward, "
+        "placeholders standing in for the positions after the first; ttt_steps is then the "
+        "deepest position trained (serve with k <= ttt_steps)",
+    )
+    mask_token_id: int | None = cfg_field(
+        None,
+        help="P-EAGLE's placeholder token (default: the tokenizer's unknown token when it is "
+        "none of BOS/EOS/pad, else another special token)",
+        ge=0,
+    )
     ttt_steps: int = cfg_field(7, help="EAGLE-3 training-time-test unroll steps", ge=1)
     ttt_decay: float = cfg_field(
         0.8, help="EAGLE-3 loss weight of step j is ttt_decay ** j", gt=0, le=1
@@ -123,6 +136,10 @@ class EagleTrainConfig(TrainConfig):
             problems.append(("data", "online hidden states need training records (data)"))
         if self.hidden_states == "offline" and self.hidden_states_cache is None:
             problems.append(("hidden_states_cache", "offline hidden states need a cache dir"))
+        if self.version == 1 and self.parallel_drafting:
+            problems.append(("parallel_drafting", "P-EAGLE drafts with EAGLE-3: set version: 3"))
+        if self.mask_token_id is not None and not self.parallel_drafting:
+            problems.append(("mask_token_id", "only parallel drafting (P-EAGLE) uses it"))
         if self.version == 1 and self.feature_layers is not None:
             problems.append(("feature_layers", "EAGLE-1 uses the last layer only; set version: 3"))
         if self.feature_layers is not None and len(self.feature_layers) != 3:
@@ -161,7 +178,8 @@ def train(cfg: EagleTrainConfig) -> int:
     from ..train.runinfo import run_info
     from ..train.target_model.load import load_target
 
-    kind = f"eagle{cfg.version}"
+    kind = "peagle" if cfg.parallel_drafting else f"eagle{cfg.version}"
+    title = "P-EAGLE" if cfg.parallel_drafting else f"EAGLE-{cfg.version}"
     with TrainRun(cfg, recipe="eagle", kind=kind, outputs=["drafter"], fsdp=True) as run:
         accelerator, say = run.accelerator, run.say
         info = run_info(accelerator.device)  # the device this run's processes train on
@@ -181,11 +199,22 @@ def train(cfg: EagleTrainConfig) -> int:
                 f"draft_vocab_size: {cfg.draft_vocab_size} is larger than the "
                 f"target's vocabulary ({vocab}); choose <= {vocab}"
             )
+        mask_token_id = None
+        if cfg.parallel_drafting:
+            mask_token_id = cfg.mask_token_id
+            if mask_token_id is None:
+                mask_token_id = default_mask_token(tokenizer, vocab)
+            if mask_token_id >= vocab:
+                raise UsageError(
+                    f"mask_token_id: {mask_token_id} is not a token of the target's "
+                    f"vocabulary (0..{vocab - 1})"
+                )
         eagle_cfg = EagleConfig.from_target(
             target.config,
             cfg.version,
             feature_layers=cfg.feature_layers,
             draft_vocab_size=cfg.draft_vocab_size if cfg.version == 3 else None,
+            mask_token_id=mask_token_id,
         )
         # What the target provides to training: the drafter's feature layers plus the last
         # one, whose target head gives the labels.
@@ -273,12 +302,18 @@ def train(cfg: EagleTrainConfig) -> int:
                     f"{drafter.config.version} drafter, config asks for version "
                     f"{cfg.version}"
                 )
+            if drafter.config.parallel != cfg.parallel_drafting:
+                raise UsageError(
+                    f"init_from: {cfg.init_from} holds a drafter "
+                    f"{'with' if drafter.config.parallel else 'without'} parallel drafting; "
+                    f"the config sets parallel_drafting: {cfg.parallel_drafting}"
+                )
         else:
             drafter = build_drafter(target, eagle_cfg, d2t=d2t, t2d=t2d)
         drafter.train()
         params = [p for p in drafter.parameters() if p.requires_grad]
         say(
-            f"drafter: EAGLE-{cfg.version}, {sum(p.numel() for p in params) / 1e6:.1f}M "
+            f"drafter: {title}, {sum(p.numel() for p in params) / 1e6:.1f}M "
             f"trainable parameters; features from target layers {train_layers} "
             f"({cfg.hidden_states})"
         )
@@ -294,7 +329,7 @@ def train(cfg: EagleTrainConfig) -> int:
         accelerator.register_for_checkpointing(scheduler)
         run.resume()
         run.dump_config()
-        run.init_trackers(f"eagle{cfg.version}-{run.out.name}", "train")
+        run.init_trackers(f"{kind}-{run.out.name}", "train")
         lm_head = target.get_output_embeddings()
 
         def loss_fn(batch):
@@ -343,7 +378,7 @@ def train(cfg: EagleTrainConfig) -> int:
         bar = progress(
             total=total,
             initial=step,
-            desc=f"EAGLE-{cfg.version}",
+            desc=title,
             disable=not (run.is_main and cfg.progress),
         )
         # The log window's sums stay on the device (one row per metric of the loss, in its key
@@ -414,6 +449,8 @@ def train(cfg: EagleTrainConfig) -> int:
         result = {
             **run.summary(step, total),
             "version": cfg.version,
+            "parallel_drafting": cfg.parallel_drafting,
+            "mask_token_id": mask_token_id,
             "train_samples": len(train_set),
             "val_samples": len(val_idx),
             # What the drafter reads (EAGLE-3's fused layers, or the last for EAGLE-1) and what

@@ -9,7 +9,7 @@ For the same prompts it decodes greedily (temperature 0) twice, each in its own 
 
 * ``plain``: the target alone;
 * ``spec``: the target with ``--method`` (``ngram``, ``draft_model``, ``eagle``, ``eagle3``,
-  ``medusa``) and ``--draft``.
+  ``medusa``, ``dflash``) and ``--draft``; ``--parallel-drafting`` for P-EAGLE exports.
 
 It then checks that every prompt's output tokens are identical, and reports vLLM's own
 speculative-decoding counters (``LLM.get_metrics()``):
@@ -63,8 +63,8 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "medusa")
-NEEDS_DRAFT = ("draft_model", "eagle", "eagle3", "medusa")
+METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "medusa", "dflash")
+NEEDS_DRAFT = ("draft_model", "eagle", "eagle3", "medusa", "dflash")
 DEFAULT_TARGET = "~/.cache/draftsmith/targets/smollm2-135m-instruct"
 # Read as a data file (this script never imports draftsmith).
 DEFAULT_PROMPTS = (
@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--method", choices=METHODS, default="ngram", help="speculative method")
     ap.add_argument("--draft", default=None, help="draft/export directory (not for ngram/none)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument(
+        "--parallel-drafting",
+        action="store_true",
+        help="speculative_config parallel_drafting: true (P-EAGLE; dflash implies it)",
+    )
     ap.add_argument(
         "--prompts",
         default=str(DEFAULT_PROMPTS),
@@ -232,6 +237,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         cfg["prompt_lookup_max"] = args.ngram_max
     else:
         cfg["model"] = args.draft
+    if args.parallel_drafting:
+        cfg["parallel_drafting"] = True
     return cfg
 
 
@@ -392,6 +399,7 @@ def spawn_phase(args: argparse.Namespace, phase: str, prompts_file: str, out_fil
         str(args.ngram_min),
         "--ngram-max",
         str(args.ngram_max),
+        *(["--parallel-drafting"] if args.parallel_drafting else []),
     ]
     if args.draft:
         cmd += ["--draft", args.draft]

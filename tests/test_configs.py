@@ -18,6 +18,7 @@ from draftsmith.recipes.cli import (
     parse_command,
 )
 from draftsmith.recipes.distill import DistillConfig
+from draftsmith.recipes.dflash import DFlashTrainConfig
 from draftsmith.recipes.eagle import EagleTrainConfig
 from draftsmith.recipes.evaluate import EvalConfig
 from draftsmith.recipes.medusa import MedusaConfig
@@ -30,6 +31,8 @@ CONFIGS = REPO / "recipes" / "configs"
 CLASSES = {
     "evaluate": EvalConfig,
     "eagle": EagleTrainConfig,
+    "peagle": EagleTrainConfig,  # P-EAGLE: the eagle recipe with parallel_drafting
+    "dflash": DFlashTrainConfig,
     "medusa": MedusaConfig,
     "distill": DistillConfig,
 }
@@ -134,7 +137,7 @@ def test_header_commands_make_the_configs_data(path, monkeypatch):
     assert outputs[-1] in reads, f"{path.name}: the last command writes {outputs[-1]}, not {reads}"
 
     assert len(train) == 1, f"{path.name}: the header should end with its train command"
-    assert train[0][1] == recipe
+    assert train[0][1] == {"peagle": "eagle"}.get(recipe, recipe)
     trained = parse_command(train[0])
     assert type(trained) is CLASSES[recipe]
     assert (REPO / train[0][train[0].index("--config") + 1]).resolve() == path.resolve()

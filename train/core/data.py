@@ -228,6 +228,33 @@ def eos_ids(tokenizer: Any, model: Any) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def default_mask_token(tokenizer: Any, vocab_size: int) -> int:
+    """The placeholder token of parallel drafters (P-EAGLE, DFlash) when the config names none.
+
+    A special token that is neither BOS, EOS nor padding, the lowest such id (z-lab and
+    speculators use a dedicated, otherwise unseen token; SmolLM2's ``<|endoftext|>``, id 0,
+    never appears in chat data); else the unknown token, else the padding token. Its embedding
+    (the target's, frozen) marks "a position still to draft".
+
+    Raises:
+        UsageError: the tokenizer has none of these inside the target's vocabulary.
+    """
+    skip = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {int(i) for i, tok in decoder.items() if getattr(tok, "special", False)}
+    candidates = sorted(i for i in special if i not in skip and 0 <= i < vocab_size)
+    if candidates:
+        return candidates[0]
+    for fallback in (tokenizer.unk_token_id, tokenizer.pad_token_id):
+        if fallback is not None and 0 <= fallback < vocab_size:
+            return int(fallback)
+    raise UsageError(
+        "mask_token_id: the tokenizer has no special token to use as the placeholder of "
+        "parallel drafting; set mask_token_id to a token id the data does not use"
+    )
+
+
 def check_enough_data(
     n_samples: int,
     n_train: int,

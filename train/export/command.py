@@ -96,7 +96,11 @@ class ExportConfig:
         help="hf: where the export takes the tokenizer from (default: the checkpoint); the "
         "target's directory when the draft was saved without one",
     )
-    speculative_tokens: int = cfg_field(3, help="EAGLE: draft tokens per step to advertise")
+    speculative_tokens: int | None = cfg_field(
+        None,
+        help="draft tokens per step the export advertises (EAGLE, P-EAGLE: default 3; DFlash: "
+        "always its block size - 1)",
+    )
     dtype: str | None = cfg_field(
         None,
         help="cast weights: bf16, fp16 or fp32 (default: as trained)",
@@ -117,7 +121,7 @@ class ExportConfig:
             problems.append(("device", problem))
         if not Path(self.checkpoint).is_dir():
             problems.append(("checkpoint", f"{self.checkpoint} is not a directory"))
-        if self.speculative_tokens < 1:
+        if self.speculative_tokens is not None and self.speculative_tokens < 1:
             problems.append(("speculative_tokens", f"must be >= 1, got {self.speculative_tokens}"))
         if self.metrics_json is not None and not Path(self.metrics_json).is_file():
             problems.append(("metrics_json", f"{self.metrics_json} is not a file"))

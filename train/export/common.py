@@ -63,7 +63,8 @@ class ExportRequest:
         checkpoint: what the recipe saved (a drafter, heads or draft directory).
         out: the export directory (written staged, then renamed into place).
         target: the target's name as the export records it (a Hub id, or a local directory).
-        speculative_tokens: k, the draft tokens per step an EAGLE export advertises.
+        speculative_tokens: k, the draft tokens per step the export advertises; None = the
+            format's default (EAGLE: 3; DFlash: its block size - 1).
         dtype: cast weights to this dtype; None keeps the checkpoint's.
         metrics_json: an evaluation results JSON for the model card's τ.
         overwrite: replace an existing ``out``.
@@ -75,7 +76,7 @@ class ExportRequest:
     checkpoint: Path
     out: Path
     target: str
-    speculative_tokens: int = 3
+    speculative_tokens: int | None = None
     dtype: torch.dtype | None = None
     metrics_json: Path | None = None
     overwrite: bool = False

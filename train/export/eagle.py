@@ -26,6 +26,14 @@ vLLM, by loading each format (``tests/test_vllm.py``, ``docs/serving.md``):
                  ``target_hidden_size``, ``num_hidden_layers: 1``,
                  ``tie_word_embeddings: false`` (SGLang ties ``lm_head`` to the embedding when
                  true). Serve: ``--speculative-algorithm EAGLE3 --speculative-draft-model-path``.
+``peagle``       P-EAGLE for vLLM: the ``speculators`` layout with
+                 ``speculators_model_type: "peagle"``, ``architectures: ["PEagleSpeculator"]``,
+                 ``mask_token_id`` and ``embed_requires_grad: false`` (speculators 0.9's
+                 ``PEagleSpeculatorConfig``; vLLM maps it to ``eagle3`` with
+                 ``parallel_drafting``), plus the ``mask_hidden`` tensor ``[1, 1, 3H]``, which
+                 vLLM requires for parallel drafting. Serve:
+                 ``speculative_config={"method": "eagle3", "model": <export>,
+                 "parallel_drafting": true, "num_speculative_tokens": k}``.
 ``eagle``        EAGLE-1 for vLLM (``method: "eagle"``): a flat Llama config with
                  ``architectures: ["EagleLlamaForCausalLM"]``, ``num_hidden_layers: 1``;
                  weights ``fc.weight`` (``[H, 2H]`` over concat(embedding, feature), no bias:
@@ -124,6 +132,8 @@ def _expected_shapes(cfg: EagleConfig) -> dict[str, tuple[int, ...]]:
         "layers.0.mlp.down_proj.weight": (h, i),
         "layers.0.post_attention_layernorm.weight": (h,),
     }
+    if cfg.parallel:
+        shapes["mask_hidden"] = (1, 3 * h)
     if cfg.version == 3:
         shapes |= {
             "layers.0.input_layernorm.weight": (h,),
@@ -244,14 +254,14 @@ def _config(
 ) -> dict[str, Any]:
     """The ``config.json`` of ``fmt`` (:mod:`~draftsmith.train.export.eagle_config`)."""
     family, _ = families.export_formats()[fmt]
-    if family.checkpoint != ("version", cfg.version):  # the family's discriminator
-        drafter = families.FAMILIES[f"eagle{cfg.version}"]
+    drafter = families.FAMILIES["peagle" if cfg.parallel else f"eagle{cfg.version}"]
+    if family is not drafter:
         others = " or ".join(f.name for f in drafter.exports)
         raise ExportError(
-            f"the {fmt} format holds {family.title} drafters, this is an {drafter.title} "
+            f"the {fmt} format holds {family.title} drafters, this is a {drafter.title} "
             f"drafter: use --format {others}"
         )
-    if fmt == "speculators":
+    if fmt in ("speculators", "peagle"):
         return speculators_config(cfg, dtype, target, arch, k)
     return eagle3_config(cfg, dtype) if fmt == "eagle3" else eagle1_config(cfg, dtype)
 
@@ -310,7 +320,7 @@ def export_drafter(
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     arch: list[str] = []
-    if fmt == "speculators":
+    if fmt in ("speculators", "peagle"):
         if not target_name_or_path:
             raise ExportError("the speculators format needs the verifier (the target)")
         if speculative_tokens < 1:
@@ -340,6 +350,9 @@ def export_drafter(
                 continue  # see the module docstring: vLLM rejects maps it did not create
             # Integer/bool buffers keep their dtypes (vLLM: int64 d2t; speculators: bool t2d).
             value = value.to(torch.long if name == "d2t" else torch.bool)
+        elif name == "mask_hidden":
+            # speculators' PEagleDraftModel holds it as [1, 1, 3H]; vLLM flattens it to [1, 3H].
+            value = value.to(want).view(1, 1, -1)
         else:
             value = value.to(want)
         tensors[_to_export(name, fmt)] = value.contiguous()
@@ -372,7 +385,7 @@ def write(request: ExportRequest) -> Path:
         request.checkpoint,
         request.out,
         target_name_or_path=request.target,
-        speculative_tokens=request.speculative_tokens,
+        speculative_tokens=3 if request.speculative_tokens is None else request.speculative_tokens,
         dtype=request.dtype,
         metrics_json=request.metrics_json,
         overwrite=request.overwrite,
@@ -445,6 +458,8 @@ def load_export(
             f"match the target's {target.config.hidden_size}/{target.config.vocab_size}"
         )
     state = {_from_export(k, fmt): v for k, v in load_file(str(root / WEIGHTS_FILE)).items()}
+    if "mask_hidden" in state:
+        state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)
     if cfg.version == 3 and _full_vocab(cfg) and "d2t" not in state:
         # Full draft vocabulary: the identity maps our drafter holds (omitted in the export).
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)

@@ -7,6 +7,7 @@ the serving command for its format.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,7 @@ def _usage(fmt: str, target: str, k: int) -> list[str]:
     """How the format's engine serves it, with the engine's method name from the declaration."""
     export = families.export_formats()[fmt][1]
     method = export.method
+    extra = "".join(f', "{key}": {json.dumps(value)}' for key, value in export.speculative_config)
     if fmt == "speculators":  # its config.json names the verifier: `vllm serve DIR` suffices
         return [
             "```bash",
@@ -139,7 +141,7 @@ def _usage(fmt: str, target: str, k: int) -> list[str]:
         "```python",
         "from vllm import LLM",
         f'llm = LLM(model="{target}", speculative_config={{"method": "{method}", '
-        f'"model": "<this directory>", "num_speculative_tokens": {k}}})',
+        f'"model": "<this directory>", "num_speculative_tokens": {k}{extra}}})',
         "```",
     ]
 

@@ -46,6 +46,7 @@ __all__ = [
 SPECULATORS_VERSION = "0.7.0"
 CONFIG_FILE = "config.json"
 ARCH_SPECULATORS = "Eagle3Speculator"
+ARCH_PEAGLE = "PEagleSpeculator"
 ARCH_EAGLE3 = "LlamaForCausalLMEagle3"
 ARCH_EAGLE1 = "EagleLlamaForCausalLM"
 
@@ -128,10 +129,18 @@ def speculators_config(
     verifier_architectures: list[str] | None,
     speculative_tokens: int,
 ) -> dict[str, Any]:
-    """``config.json`` of the speculators format (Eagle3SpeculatorConfig, speculators v0.7)."""
+    """``config.json`` of the speculators format (Eagle3SpeculatorConfig, speculators v0.7), or
+    for a P-EAGLE drafter speculators 0.9's ``PEagleSpeculatorConfig`` (the same fields plus
+    ``mask_token_id`` and ``embed_requires_grad``)."""
+    model_type = "peagle" if cfg.parallel else "eagle3"
+    parallel = {}
+    if cfg.parallel:
+        # The embedding is the target's, frozen and not exported: vLLM shares the target's.
+        parallel = {"mask_token_id": cfg.mask_token_id, "embed_requires_grad": False}
     return {
-        "architectures": [ARCH_SPECULATORS],
-        "speculators_model_type": "eagle3",
+        "architectures": [ARCH_PEAGLE if cfg.parallel else ARCH_SPECULATORS],
+        "speculators_model_type": model_type,
+        **parallel,
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": _llama_fields(cfg, dtype),
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -144,7 +153,7 @@ def speculators_config(
         "fc_norm": False,
         "norm_output": False,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": model_type,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
@@ -203,12 +212,12 @@ def export_format(config: dict[str, Any]) -> str:
     """Which of :data:`~draftsmith.train.export.eagle.FORMATS` a ``config.json`` dict is."""
     arch = config.get("architectures") or []
     if config.get("speculators_model_type") is not None:
-        if config["speculators_model_type"] != "eagle3":
+        kind = config["speculators_model_type"]
+        if kind not in ("eagle3", "peagle"):
             raise ExportError(
-                f"speculators_model_type {config['speculators_model_type']!r}: only eagle3 is "
-                "supported"
+                f"speculators_model_type {kind!r}: only eagle3 and peagle are supported"
             )
-        return "speculators"
+        return "speculators" if kind == "eagle3" else "peagle"
     if ARCH_EAGLE3 in arch:
         return "eagle3"
     if ARCH_EAGLE1 in arch or config.get("model_type") == "eagle":
@@ -226,7 +235,8 @@ def _rope_from_export(layer: dict[str, Any]) -> tuple[float, dict[str, Any] | No
 
 def config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> EagleConfig:
     """Rebuild our :class:`EagleConfig` from an export's ``config.json`` (inverse mapping)."""
-    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
+    speculators = fmt in ("speculators", "peagle")
+    layer = raw["transformer_layer_config"] if speculators else raw
     n = int(target_config.num_hidden_layers)
     unsupported = {
         "num_hidden_layers": (layer.get("num_hidden_layers", 1), 1),
@@ -246,7 +256,7 @@ def config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> Eag
     version = 1 if fmt == "eagle" else 3
     aux: list[int] = [n]  # EAGLE-1 reads the final output
     norm_before_residual = False
-    if fmt == "speculators":
+    if speculators:
         if "norm_before_residual" not in raw:
             # vLLM defaults a missing one to True, speculators to False: refuse to guess.
             raise ExportError("speculators config lacks norm_before_residual")
@@ -276,4 +286,5 @@ def config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> Eag
         target_num_layers=n,
         feature_layers=aux,
         norm_before_residual=norm_before_residual,
+        mask_token_id=raw.get("mask_token_id") if fmt == "peagle" else None,
     )

@@ -279,6 +279,15 @@ def eagle3_ttt_loss(
     positions later), and attends with :func:`ttt_attention_mask`. Step j at position t thus
     predicts ``x_{t+2+j}``, supervised with ``loss_mask[t + 2 + j]``.
 
+    P-EAGLE (a drafter with ``mask_token_id``): the same unroll, except that step j > 0 reads
+    the placeholder pair (``mask_hidden`` through ``fc``, the mask token's embedding) instead of
+    its own output and the ground-truth token. The attention layout is unchanged: a depth-j
+    query at t sees the verified keys up to t and the placeholder keys of depths 1..j at t,
+    exactly what a parallel draft of k positions sees at inference. This is P-EAGLE's
+    objective with every position as an anchor at every depth (speculators' P-EAGLE samples a
+    shrinking subset of positions per depth to save compute; ours costs what EAGLE-3's unroll
+    costs) and the same depth weights as EAGLE-3's.
+
     Loss: ``sum_j decay**j * CE_j`` where CE_j is the soft cross-entropy between the drafter's
     draft-vocab distribution and the target's distribution restricted to the draft vocab
     (``softmax(target_logits[..., t2d])``), averaged over supervised positions.
@@ -328,7 +337,12 @@ def eagle3_ttt_loss(
     metrics: dict[str, torch.Tensor] = {}
     h = feats
     for j in range(steps):
-        emb = core.embed(shift_left(ids, 1 + j))
+        if j and cfg.parallel:
+            # P-EAGLE: depth j reads the placeholder pair, never the tokens or features drafted
+            # before it, so all depths can be drafted in one forward at inference.
+            emb, h = core.placeholders(b, t)
+        else:
+            emb = core.embed(shift_left(ids, 1 + j))
         att = ttt_attention_mask(t, j, attn)
         h, logits = drafter(
             emb, h, base_pos + j, attention_mask=att, cache=cache, return_logits=True

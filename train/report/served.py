@@ -18,7 +18,12 @@ of the drafters the bench measured in our loop:
   accepted at position i / drafts, as in ``scripts/vllm_check.py`` and docs/metrics.md;
 * **comparison** (:func:`compare_with_ours`): the speedup over the plain server at the same
   concurrency, whether outputs equal the plain server's, and our τ for the same drafter on the
-  same prompts (from the greedy evaluate results); a gap over :data:`TAU_GAP` is flagged.
+  same prompts (from the greedy evaluate results); a gap over :data:`TAU_GAP` is flagged;
+* **schedule** (:func:`~draftsmith.train.report.schedule.recommend_schedule`): for each drafter
+  served with a ``speculative_config``, the draft length per batch size its measurements advise
+  (k where it beat the plain server by more than the noise margin, else 0), as vLLM's
+  ``num_speculative_tokens_per_batch_size``; with ``served_schedule`` that config is served and
+  measured at every level too, each level checked against the best of plain and fixed k.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shlex
 import statistics
 import time
 import urllib.request
@@ -38,12 +44,14 @@ from typing import Any
 from ...heads import families, registry
 from ...heads.sampling import SamplingParams
 from ..decoding.results import summarize_entries
-from ..errors import UsageError
+from ..errors import RunError, UsageError
+from .schedule import NOISE, recommend_schedule
 
 __all__ = [
     "TAU_GAP",
     "ServedPlan",
     "compare_with_ours",
+    "config_arg",
     "measure",
     "parse_urls",
     "read_spec_metrics",
@@ -121,6 +129,9 @@ def served_plans(
         export_format, method = plan
         served = ServedPlan(label=spec, method=method, export_format=export_format, checkpoint=path)
         served.speculative_config = {"method": method, "num_speculative_tokens": k}
+        if export_format is not None:  # e.g. P-EAGLE's parallel_drafting
+            fmt = families.export_formats()[export_format][1]
+            served.speculative_config.update(dict(fmt.speculative_config))
         if method == "ngram":
             served.speculative_config.update(
                 prompt_lookup_min=ngram_min, prompt_lookup_max=ngram_max
@@ -331,7 +342,7 @@ def serving(plan: ServedPlan, target: str, *, python: str | None, dtype: str, ma
 
     extra = ["--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     if plan.speculative_config is not None:
-        extra += ["--speculative-config", json.dumps(plan.speculative_config)]
+        extra += ["--speculative-config", config_arg(plan.speculative_config)]
     with local_vllm_server(target, python=python, dtype=dtype, extra_args=extra) as url:
         yield url
 
@@ -372,19 +383,148 @@ def _our_result(report_runs: list, ecfg: dict[str, Any], spec: str) -> dict[str,
     return None
 
 
+def config_arg(config: dict[str, Any]) -> str:
+    """The ``--speculative-config`` value the bench passes to ``vllm serve`` for ``config``."""
+    return json.dumps(config)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _measure_levels(
+    plan: ServedPlan,
+    target: str,
+    *,
+    python: str | Path | None,
+    dtype: str,
+    concurrency: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int],
+) -> list[dict[str, Any]]:
+    """Serve ``plan`` (:func:`serving`) and :func:`measure` it at each concurrency level.
+
+    Raises:
+        RunError, UsageError, OSError: the server did not start or stopped answering.
+    """
+    from ..datagen.endpoint import EndpointClient
+
+    print(f"[served] {plan.label}: starting vLLM ...", flush=True)
+    with serving(plan, target, python=python, dtype=dtype, max_num_seqs=max(concurrency)) as url:
+        client = EndpointClient(url, max_retries=2)
+        model = client.connect(None).model  # the one model it serves
+        # One short request first: the first request pays one-off costs.
+        measure(
+            client,
+            model,
+            prompts[:1],
+            max_new_tokens=8,
+            stop_token_ids=stop_token_ids,
+            concurrency=1,
+        )
+        levels = []
+        for c in concurrency:
+            level = measure(
+                client,
+                model,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids,
+                concurrency=c,
+                metrics=lambda url=url: read_spec_metrics(url),
+            )
+            levels.append(level)
+            tau = level.get("acceptance_length")
+            print(
+                f"[served] {plan.label} c={c}: {level['tokens_per_second']:.1f} tok/s, "
+                f"p50 {level['latency_p50_s']:.2f} s, p95 {level['latency_p95_s']:.2f} s"
+                + (f", τ {tau:.2f}" if tau else ""),
+                flush=True,
+            )
+    return levels
+
+
+def _serve_schedule(
+    plan: ServedPlan,
+    levels: list[dict[str, Any]],
+    plain: dict[int, dict[str, Any]] | None,
+    target: str,
+    cfg: Any,
+    setting: dict[str, Any],
+) -> dict[str, Any]:
+    """The drafter's recommended draft length per batch size and, with ``cfg.served_schedule``,
+    its own server measured at every level against the best of plain and fixed k.
+
+    Args:
+        plan: the drafter's plan (its fixed-k ``speculative_config`` complete, export included).
+        levels: its fixed-k measurements.
+        plain: the plain server's by concurrency (None: not measured, then no schedule).
+        target: the served target.
+        cfg: the bench's config (``served_schedule``).
+        setting: :func:`_measure_levels`'s keyword arguments.
+
+    Returns:
+        The drafter's ``schedule`` entry: :meth:`Schedule.to_json` plus ``speculative_config``
+        and ``speculative_config_json`` (the exact ``--speculative-config``; both None when the
+        advice is not to speculate) and, when served, ``levels`` (each with
+        ``best_tokens_per_second``, ``best_of`` and ``schedule_ok``) or ``error``.
+    """
+    if plain is None:
+        return {"entries": None, "summary": "no schedule: the plain server was not measured"}
+    k = int(plan.speculative_config.get("num_speculative_tokens") or 0)
+    try:
+        schedule = recommend_schedule(levels, plain, k, max_num_seqs=max(setting["concurrency"]))
+    except ValueError as exc:
+        return {"entries": None, "summary": f"no schedule: {exc}"}
+    out = schedule.to_json()
+    config = schedule.speculative_config(plan.speculative_config)
+    out["speculative_config"] = config
+    out["speculative_config_json"] = None if config is None else config_arg(config)
+    print(f"[served] {plan.label}: schedule: {schedule.summary()}", flush=True)
+    if config is None or not cfg.served_schedule:
+        return out
+    sched = ServedPlan(
+        label=f"{plan.label} schedule", method=plan.method, speculative_config=config
+    )
+    try:
+        measured = _measure_levels(sched, target, **setting)
+    except (RunError, UsageError, OSError) as exc:
+        out["error"] = f"serving failed: {_first_line(exc)}"
+        print(f"[served] {sched.label}: failed: {_first_line(exc)}", flush=True)
+        return out
+    fixed = {level["concurrency"]: level for level in levels}
+    for level in measured:
+        c = level["concurrency"]
+        rivals = {
+            name: server[c]["tokens_per_second"]
+            for name, server in (("plain", plain), ("fixed", fixed))
+            if c in server
+        }
+        best_of = max(rivals, key=rivals.__getitem__)  # plain first: a tie names plain
+        level["best_of"] = best_of
+        level["best_tokens_per_second"] = rivals[best_of]
+        # Within the noise margin counts as a match: the schedule is measured once, like them.
+        level["schedule_ok"] = level["tokens_per_second"] >= rivals[best_of] * (1 - schedule.noise)
+    out["levels"] = measured
+    return out
+
+
 def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str, Any]:
     """The bench's served stage: plan, export, serve and measure; the report's ``served``.
 
+    Each drafter served with a ``speculative_config`` also gets its recommended draft length
+    per batch size (its row's ``schedule``, :func:`_serve_schedule`), served and measured at
+    every level too when ``cfg.served_schedule`` is on.
+
     Args:
         cfg: the bench's config (``vllm_python``, ``vllm_url``, ``served_concurrency``,
-            ``served_limit``).
+            ``served_limit``, ``served_schedule``).
         report: the bench report (our figures), for the target, prompts and dtype.
         runs: ``(temperature, results file, command)`` of the bench's evaluate runs.
         stem: the bench's output stem; exports go to ``<stem>_served/``.
     """
     from ..data.prompts import load_prompts, render_prompt
-    from ..datagen.endpoint import EndpointClient
-    from ..errors import RunError
     from ..export.command import main as export_main
     from ..target_model.load import load_tokenizer, prepare_target
 
@@ -422,10 +562,20 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
         "max_new_tokens": ecfg["max_new_tokens"],
         "concurrency": list(cfg.served_concurrency),
         "tau_gap_threshold": TAU_GAP,
+        "schedule_noise": NOISE,
+        "served_schedule": bool(cfg.served_schedule),
         "rows": [],
         "skipped": skipped,
     }
     plain: dict[int, dict[str, Any]] | None = None
+    setting = {
+        "python": cfg.vllm_python,
+        "dtype": dtype,
+        "concurrency": list(cfg.served_concurrency),
+        "prompts": prompts,
+        "max_new_tokens": ecfg["max_new_tokens"],
+        "stop_token_ids": sorted(eos),
+    }
     for plan in plans:
         row: dict[str, Any] = {"label": plan.label, "method": plan.method}
         if plan.export_format is not None:
@@ -438,53 +588,18 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
             plan.speculative_config["model"] = str(out)
             row["export"] = str(out)
         row["speculative_config"] = plan.speculative_config
-        print(f"[served] {plan.label}: starting vLLM ...", flush=True)
         try:
-            with serving(
-                plan,
-                str(target),
-                python=cfg.vllm_python,
-                dtype=dtype,
-                max_num_seqs=max(cfg.served_concurrency),
-            ) as url:
-                client = EndpointClient(url, max_retries=2)
-                model = client.connect(None).model  # the one model it serves
-                # One short request first: the first request pays one-off costs.
-                measure(
-                    client,
-                    model,
-                    prompts[:1],
-                    max_new_tokens=8,
-                    stop_token_ids=sorted(eos),
-                    concurrency=1,
-                )
-                levels = []
-                for c in cfg.served_concurrency:
-                    level = measure(
-                        client,
-                        model,
-                        prompts,
-                        max_new_tokens=ecfg["max_new_tokens"],
-                        stop_token_ids=sorted(eos),
-                        concurrency=c,
-                        metrics=lambda url=url: read_spec_metrics(url),
-                    )
-                    levels.append(level)
-                    tau = level.get("acceptance_length")
-                    print(
-                        f"[served] {plan.label} c={c}: {level['tokens_per_second']:.1f} tok/s, "
-                        f"p50 {level['latency_p50_s']:.2f} s, p95 {level['latency_p95_s']:.2f} s"
-                        + (f", τ {tau:.2f}" if tau else ""),
-                        flush=True,
-                    )
+            levels = _measure_levels(plan, str(target), **setting)
         except (RunError, UsageError, OSError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            first = _first_line(exc)
             skipped.append({"drafter": plan.label, "reason": f"serving failed: {first}"})
             print(f"[served] {plan.label}: failed: {first}", flush=True)
             continue
         if plan.label == "plain":
             plain = {level["concurrency"]: level for level in levels}
         row["levels"] = levels
+        if plan.speculative_config is not None:
+            row["schedule"] = _serve_schedule(plan, levels, plain, str(target), cfg, setting)
         served["rows"].append(row)
     ids = set(served["prompt_ids"])
     for row in served["rows"]:
@@ -498,37 +613,57 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
         if row["label"] == "plain":
             for level in row["levels"]:
                 level.pop("identical_to_plain", None)
+        if (row.get("schedule") or {}).get("levels"):
+            # The schedule server drafts too: its speedup, identity and τ read as the fixed one's.
+            compare_with_ours(row["schedule"]["levels"], plain, ours, k, dtype)
     for row in served["rows"]:
-        for level in row["levels"]:
+        for level in [*row["levels"], *(row.get("schedule") or {}).get("levels", [])]:
             level.pop("outputs", None)
     return served
 
 
-def served_rows(served: dict[str, Any] | None) -> list[list[str]]:
-    """The served table's rows: one per server and concurrency."""
+def _cells(label: str, level: dict[str, Any], schedule: str) -> list[str]:
+    """One row of the served table (:data:`SERVED_COLUMNS`)."""
     from .text import fmt_number
 
+    gap = level.get("tau_gap")
+    return [
+        label,
+        str(level["concurrency"]),
+        fmt_number(level["tokens_per_second"], ".1f"),
+        fmt_number(level.get("speedup"), ".2f", "x"),
+        f"{level['latency_p50_s']:.2f} / {level['latency_p95_s']:.2f}",
+        fmt_number(level.get("acceptance_length")),
+        fmt_number(level.get("tau_ours")),
+        "-"
+        if gap is None
+        else f"{100 * gap:+.0f}%" + (" **over 10%**" if level["tau_gap_flag"] else ""),
+        "-"
+        if "identical_to_plain" not in level
+        else f"{level['identical_to_plain']}/{level['requests']}",
+        schedule,
+    ]
+
+
+def served_rows(served: dict[str, Any] | None) -> list[list[str]]:
+    """The served table's rows: one per server and concurrency.
+
+    A drafter's fixed-k rows name the draft length its schedule chose at that level (``k=K`` or
+    ``off``); the schedule server's rows (``LABEL schedule``) whether it matched the best of
+    the plain and fixed-k servers there.
+    """
     rows = []
     for row in (served or {}).get("rows", []):
+        schedule = row.get("schedule") or {}
+        chosen = {lv["concurrency"]: lv["k"] for lv in schedule.get("per_level", [])}
         for level in row["levels"]:
-            gap = level.get("tau_gap")
-            rows.append(
-                [
-                    row["label"],
-                    str(level["concurrency"]),
-                    fmt_number(level["tokens_per_second"], ".1f"),
-                    fmt_number(level.get("speedup"), ".2f", "x"),
-                    f"{level['latency_p50_s']:.2f} / {level['latency_p95_s']:.2f}",
-                    fmt_number(level.get("acceptance_length")),
-                    fmt_number(level.get("tau_ours")),
-                    "-"
-                    if gap is None
-                    else f"{100 * gap:+.0f}%" + (" **over 10%**" if level["tau_gap_flag"] else ""),
-                    "-"
-                    if "identical_to_plain" not in level
-                    else f"{level['identical_to_plain']}/{level['requests']}",
-                ]
-            )
+            k = chosen.get(level["concurrency"])
+            choice = "-" if k is None else (f"k={k}" if k else "off")
+            rows.append(_cells(row["label"], level, choice))
+        for level in schedule.get("levels", []):
+            verdict = "ok" if level["schedule_ok"] else "**below**"
+            best = f"{level['best_of']} {level['best_tokens_per_second']:.1f}"
+            rows.append(_cells(f"{row['label']} schedule", level, f"{verdict} ({best})"))
     return rows
 
 
@@ -542,20 +677,41 @@ SERVED_COLUMNS = [
     "τ ours",
     "τ gap",
     "identical to plain",
+    "schedule",
 ]
 
 
 def served_lines(served: dict[str, Any] | None) -> list[str]:
-    """Console lines: each server's figures per concurrency, skipped drafters, τ gaps."""
+    """Console lines: each server's figures per concurrency, each drafter's schedule (the exact
+    ``--speculative-config`` and, when served, each level against the best of plain and fixed
+    k), skipped drafters."""
     if not served:
         return []
     lines = []
-    for cells in served_rows(served):
-        label, c, tps, speedup, lat, tau, ours, gap, same = cells
-        lines.append(
-            f"served: {label} c={c}: {tps} tok/s ({speedup}), latency p50/p95 {lat} s, "
-            f"τ {tau} (ours {ours}, gap {gap}), identical {same}"
-        )
+    for row in served["rows"]:
+        for level in row["levels"]:
+            label, c, tps, speedup, lat, tau, ours, gap, same, _ = _cells(row["label"], level, "")
+            lines.append(
+                f"served: {label} c={c}: {tps} tok/s ({speedup}), latency p50/p95 {lat} s, "
+                f"τ {tau} (ours {ours}, gap {gap}), identical {same}"
+            )
+    for row in served["rows"]:
+        schedule = row.get("schedule")
+        if not schedule:
+            continue
+        label = row["label"]
+        lines.append(f"schedule: {label}: {schedule['summary']}")
+        if schedule.get("speculative_config_json"):
+            arg = shlex.join(["--speculative-config", schedule["speculative_config_json"]])
+            lines.append(f"schedule: {label}: {arg}")
+        if schedule.get("error"):
+            lines.append(f"schedule: {label}: {schedule['error']}")
+        for level in schedule.get("levels", []):
+            lines.append(
+                f"schedule: {label} c={level['concurrency']}: schedule "
+                f"{level['tokens_per_second']:.1f} tok/s vs best of plain/fixed "
+                f"{level['best_tokens_per_second']:.1f} ({'ok' if level['schedule_ok'] else 'below'})"
+            )
     for skip in served["skipped"]:
         lines.append(f"not served: {skip['drafter']}: {skip['reason']}")
     return lines
