@@ -17,8 +17,8 @@ from draftsmith.recipes.cli import (
     command_config_class,
     parse_command,
 )
-from draftsmith.recipes.distill import DistillConfig
 from draftsmith.recipes.dflash import DFlashTrainConfig
+from draftsmith.recipes.distill import DistillConfig
 from draftsmith.recipes.eagle import EagleTrainConfig
 from draftsmith.recipes.evaluate import EvalConfig
 from draftsmith.recipes.medusa import MedusaConfig

@@ -90,7 +90,11 @@ def test_the_layer_rule_is_written_once() -> None:
         assert set(cfg.feature_layers) <= set(families.cache_layers(family.name, 30))
     assert families.cache_layers("eagle3", 30) == [2, 15, 27, 30]
     assert list(families.cache_presets()) == ["eagle3", "eagle1", "peagle", "dflash", "medusa"]
-    assert families.cache_layers("peagle", 30) == families.cache_layers("dflash", 30) == [2, 15, 27, 30]
+    assert (
+        families.cache_layers("peagle", 30)
+        == families.cache_layers("dflash", 30)
+        == [2, 15, 27, 30]
+    )
 
 
 def test_every_consumer_reads_the_declaration(monkeypatch) -> None:
