@@ -123,3 +123,17 @@ def test_predicted_speedups_by_hand():
     mixed = predicted_speedups([0.5, 0.25, 0.1], costs, 0.004, drafted_share=0.4)
     assert mixed[1] == pytest.approx((0.4 * 1.5 + 0.6) * 0.050 / (0.4 * 0.056 + 0.6 * 0.050))
     assert 1.0 < mixed[1] < got[1]
+
+
+def test_parallel_drafter_pays_its_draft_once_per_step():
+    """P-EAGLE / DFlash: one drafter forward per step, whatever k (``per_round``)."""
+    import pytest
+
+    from draftsmith.train.decoding.draft_length import predicted_speedups
+
+    costs = {1: 0.050, 2: 0.052, 4: 0.056, 6: 0.060}
+    got = predicted_speedups([0.5, 0.25, 0.1], costs, 0.006, per_round=True)
+    assert got[1] == pytest.approx(1.5 * 0.050 / (0.052 + 0.006))
+    assert got[3] == pytest.approx(1.85 * 0.050 / (0.056 + 0.006))  # not 3 x 6 ms
+    chain = predicted_speedups([0.5, 0.25, 0.1], costs, 0.006)
+    assert got[3] > chain[3] and got[1] == pytest.approx(chain[1])

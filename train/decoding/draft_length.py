@@ -189,6 +189,8 @@ def predicted_speedups(
     costs: dict[int, float],
     draft_seconds_per_token: float,
     drafted_share: float = 1.0,
+    *,
+    per_round: bool = False,
 ) -> dict[int, float]:
     """Speedup over plain decoding predicted for each chain length k from measured rates.
 
@@ -207,6 +209,8 @@ def predicted_speedups(
             lookup drafts only where it finds a match; ``alpha`` is then per drafted step). The
             other steps are plain 1-token forwards, so the prediction mixes both by their time:
             ``(s·τ(k) + 1 - s) · V(1) / (s·(V(k + 1) + k·D) + (1 - s)·V(1))``.
+        per_round: a parallel drafter (P-EAGLE, DFlash) drafts every position of a step in one
+            forward, so D is its seconds per *step*, paid once whatever k: ``V(k + 1) + D``.
 
     Returns:
         ``{k: predicted speedup}`` for k = 1..len(alpha).
@@ -226,7 +230,7 @@ def predicted_speedups(
     out, tau = {}, 1.0
     for k, a in enumerate(alpha, start=1):
         tau += a
-        step = verify(k + 1) + k * draft_seconds_per_token
+        step = verify(k + 1) + (1 if per_round else k) * draft_seconds_per_token
         share = drafted_share
         out[k] = (share * tau + 1 - share) * verify(1) / (share * step + (1 - share) * verify(1))
     return out

@@ -159,8 +159,9 @@ def build_report(
             summaries.append(summary)
             # A reference in transformers' loop is measured, not recommended.
             ours = summary["loop"] == "ours"
-            if ours and summary["shape"] == "chain":
-                recs.append({"spec": spec, **recommend(summary, costs, max_k)})
+            if ours and summary["shape"] in ("chain", "parallel"):
+                parallel = summary["shape"] == "parallel"
+                recs.append({"spec": spec, **recommend(summary, costs, max_k, parallel=parallel)})
             elif ours and summary["shape"] == "tree":
                 trees.append(
                     {

@@ -20,6 +20,7 @@ from ..errors import UsageError
 __all__ = [
     "DEFAULT_COST_PROFILES",
     "default_cost_profile",
+    "draft_seconds_per_step",
     "draft_seconds_per_token",
     "extend_alpha",
     "load_costs",
@@ -109,14 +110,26 @@ def draft_seconds_per_token(result: dict[str, Any]) -> float:
     return result["draft_time_fraction"] * result["wall_time_s"] / proposed
 
 
-def recommend(result: dict[str, Any], costs: dict[int, float], max_k: int) -> dict[str, Any]:
-    """The chain length predicted fastest for one measured chain drafter.
+def draft_seconds_per_step(result: dict[str, Any]) -> float:
+    """The drafter's seconds per drafted step (a parallel drafter's cost per round)."""
+    steps = result.get("draft_steps") or 0
+    if not steps:
+        return 0.0
+    return result["draft_time_fraction"] * result["wall_time_s"] / steps
+
+
+def recommend(
+    result: dict[str, Any], costs: dict[int, float], max_k: int, *, parallel: bool = False
+) -> dict[str, Any]:
+    """The chain length predicted fastest for one measured chain or parallel drafter.
 
     Args:
         result: one method's evaluate result (``acceptance_rate_per_position``, ``k``,
             ``speedup``, ``draft_time_fraction``, ``wall_time_s``, ``proposed_tokens``).
         costs: seconds per target forward by width (:func:`load_cost_profile`).
         max_k: longest chain considered (the run's k is always included).
+        parallel: the drafter drafts a step's positions in one forward (shape ``parallel``):
+            its cost is per step, not per token (``draft_seconds_per_step``).
 
     Returns:
         ``predicted`` ``{k: speedup}``, ``best_k``, ``best_predicted_speedup``, the measured
@@ -128,13 +141,13 @@ def recommend(result: dict[str, Any], costs: dict[int, float], max_k: int) -> di
     run_k = int(result["k"])
     n = max(max_k, run_k)
     used = extend_alpha(alpha, n)
-    d = draft_seconds_per_token(result)
+    d = draft_seconds_per_step(result) if parallel else draft_seconds_per_token(result)
     # A drafter that drafts only on some steps (n-gram lookup finds no match elsewhere) has its
     # α per drafted step; the prediction mixes those steps with the plain ones by their share.
     verify_steps = result.get("target_forwards", 0) - result.get("num_prompts", 0)
     drafted = result.get("draft_steps", 0)
     share = min(1.0, drafted / verify_steps) if verify_steps > 0 else 1.0
-    predicted = predicted_speedups(used, costs, d, drafted_share=share)
+    predicted = predicted_speedups(used, costs, d, drafted_share=share, per_round=parallel)
     best_k = max(predicted, key=lambda k: (predicted[k], -k))  # ties: the shorter chain
     rec = {
         "method": result["method"],
@@ -150,7 +163,9 @@ def recommend(result: dict[str, Any], costs: dict[int, float], max_k: int) -> di
         "predicted": predicted,
         "alpha_used": used,
         "measured_positions": len(alpha),
-        "draft_seconds_per_token": d,
+        "draft_seconds_per_token": draft_seconds_per_token(result),
+        "draft_seconds_per_step": draft_seconds_per_step(result),
+        "draft_cost": "per step" if parallel else "per token",
     }
     rec["drafted_step_share"] = share
     notes = []
