@@ -72,6 +72,9 @@ class ExportFormat:
         title: the model card's title.
         speculative_config: further entries of vLLM's ``speculative_config`` the method needs
             (P-EAGLE: ``parallel_drafting``), as ``(key, value)`` pairs.
+        k_from_export: the export fixes vLLM's ``num_speculative_tokens`` (DFlash: its block
+            size - 1; a shorter block changes what its bidirectional attention computes), read
+            from the export's ``speculators_config``; served at that k whatever the bench's.
     """
 
     name: str
@@ -80,6 +83,7 @@ class ExportFormat:
     method: str | None
     title: str
     speculative_config: tuple[tuple[str, Any], ...] = ()
+    k_from_export: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,7 @@ FAMILIES: dict[str, Family] = {
                 "vllm",
                 "dflash",
                 "DFlash block drafter (vLLM / speculators format)",
+                k_from_export=True,
             ),
         ),
     ),

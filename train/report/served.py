@@ -368,6 +368,12 @@ def vllm_version(python: str | Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
+def _export_k(export: Path) -> int:
+    """The ``num_speculative_tokens`` a speculators-format export declares."""
+    config = json.loads((Path(export) / "config.json").read_text())
+    return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+
+
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "drafter"
 
@@ -587,6 +593,14 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
                 continue
             plan.speculative_config["model"] = str(out)
             row["export"] = str(out)
+            if families.export_formats()[plan.export_format][1].k_from_export:
+                fixed = _export_k(out)
+                if fixed != plan.speculative_config["num_speculative_tokens"]:
+                    row["note"] = (
+                        f"served at k = {fixed}, the export's own "
+                        f"(asked {plan.speculative_config['num_speculative_tokens']})"
+                    )
+                plan.speculative_config["num_speculative_tokens"] = fixed
         row["speculative_config"] = plan.speculative_config
         try:
             levels = _measure_levels(plan, str(target), **setting)
