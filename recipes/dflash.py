@@ -334,7 +334,11 @@ def train(cfg: DFlashTrainConfig) -> int:
             drafter.eval()
             # The same anchors at every validation (and on every process's share), so
             # validations differ only by the drafter.
-            anchors_gen = torch.Generator().manual_seed(cfg.seed + accelerator.process_index)
+            # A CPU generator whatever the device: the draws are moved (sample_anchors), so the
+            # validation anchors are the same on a laptop and on a GPU node.
+            anchors_gen = torch.Generator(device="cpu").manual_seed(
+                cfg.seed + accelerator.process_index
+            )
             sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end
             with torch.no_grad():
                 for batch in val_loader:
