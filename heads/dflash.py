@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import BuildOptions, DrafterKind, Features, Proposal, unwrap_model
-from .eagle_config import _rope_from_target
+from .eagle_config import _rope_from_target, config_from_fields
 from .eagle_model import _MLP, RMSNorm, SharedTarget, _Rotary, _rotate_half
 from .families import eagle3_layers
 from .sampling import SamplingParams, choose
@@ -247,18 +247,7 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
         """Build from :meth:`to_dict` output; unknown or missing keys are an error naming them."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown DFlashConfig field(s): {unknown}")
-        missing = sorted(
-            f.name
-            for f in fields(cls)
-            if f.name not in d and f.default is MISSING and f.default_factory is MISSING
-        )
-        if missing:
-            raise ValueError(f"DFlashConfig is missing field(s): {missing}")
-        return cls(**d)
+        return config_from_fields(cls, d)
 
     @property
     def train_layers(self) -> tuple[int, ...]:

@@ -20,6 +20,23 @@ from .families import FAMILIES
 __all__ = ["EagleConfig"]
 
 
+def config_from_fields(cls: type, d: dict[str, Any]) -> Any:
+    """``cls(**d)`` for a drafter config dataclass; unknown or missing keys are one error
+    naming each (shared by :class:`EagleConfig` and DFlash's config)."""
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s): {unknown}")
+    missing = sorted(
+        f.name
+        for f in fields(cls)
+        if f.name not in d and f.default is MISSING and f.default_factory is MISSING
+    )
+    if missing:
+        raise ValueError(f"{cls.__name__} is missing field(s): {missing}")
+    return cls(**d)
+
+
 def _rope_from_target(cfg: Any) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` of an HF config, transformers v5 or v4 style."""
     params = getattr(cfg, "rope_parameters", None)
@@ -218,18 +235,7 @@ class EagleConfig:
                 d["feature_layers"] = aux
             elif "target_num_layers" in d:
                 d["feature_layers"] = [d["target_num_layers"]]
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"unknown EagleConfig field(s): {unknown}")
-        missing = sorted(
-            f.name
-            for f in fields(cls)
-            if f.name not in d and f.default is MISSING and f.default_factory is MISSING
-        )
-        if missing:
-            raise ValueError(f"EagleConfig is missing field(s): {missing}")
-        return cls(**d)
+        return config_from_fields(cls, d)
 
     @property
     def parallel(self) -> bool:

@@ -29,6 +29,7 @@ __all__ = [
     "MissingCheckpointError",
     "NonFiniteError",
     "check_finite",
+    "check_tensor_shapes",
     "target_card_lines",
     "target_facts",
     "tensor_bytes",
@@ -141,3 +142,28 @@ def target_card_lines(facts: dict[str, str]) -> list[str]:
         else ""
     )
     return ["", f"**Note on the target:** {facts['target_note']}.{also}"]
+
+
+def check_tensor_shapes(
+    state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], where: str
+) -> None:
+    """Refuse tensors that are not exactly ``shapes`` (names and shapes), naming each problem.
+
+    Exact, not a subset: vLLM rejects unknown names, and for some models (DFlash's
+    ``load_weights``) leaves missing ones uninitialised without a word.
+
+    Raises:
+        ExportError: ``where``, then the missing, unexpected and wrongly shaped tensors.
+    """
+    missing = sorted(set(shapes) - set(state))
+    unexpected = sorted(set(state) - set(shapes))
+    wrong = [
+        f"{k}: {tuple(state[k].shape)} != {v}"
+        for k, v in shapes.items()
+        if k in state and tuple(state[k].shape) != v
+    ]
+    if missing or unexpected or wrong:
+        raise ExportError(
+            f"{where}: tensors do not match the config: missing {missing}, unexpected "
+            f"{unexpected}, wrong shape {wrong}"
+        )

@@ -107,6 +107,7 @@ from .common import (
     ExportRequest,
     MissingCheckpointError,
     check_finite,
+    check_tensor_shapes,
     target_card_lines,
     target_facts,
     tensor_bytes,
@@ -178,25 +179,6 @@ def _expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
             f"{p}post_attention_layernorm.weight": (h,),
         }
     return shapes
-
-
-def _check_tensors(
-    state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], where: str
-) -> None:
-    """Refuse tensors that are not exactly ``shapes``: vLLM rejects unknown names and leaves
-    missing ones uninitialised without a word (``qwen3_dflash.py`` ``load_weights``)."""
-    missing = sorted(set(shapes) - set(state))
-    unexpected = sorted(set(state) - set(shapes))
-    wrong = [
-        f"{k}: {tuple(state[k].shape)} != {v}"
-        for k, v in shapes.items()
-        if k in state and tuple(state[k].shape) != v
-    ]
-    if missing or unexpected or wrong:
-        raise ExportError(
-            f"{where}: tensors do not match the DFlash config: missing {missing}, unexpected "
-            f"{unexpected}, wrong shape {wrong}"
-        )
 
 
 def _k_norms_equal(state: dict[str, torch.Tensor], num_layers: int) -> bool:
@@ -282,7 +264,7 @@ def _read_drafter(src: Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
             f"{src / WEIGHTS_FILE}: cannot read the drafter weights ({exc}); the file is damaged "
             "or was not written by draftsmith"
         ) from exc
-    _check_tensors(state, _expected_shapes(cfg), str(src / WEIGHTS_FILE))
+    check_tensor_shapes(state, _expected_shapes(cfg), str(src / WEIGHTS_FILE))
     return cfg, state
 
 
@@ -722,7 +704,7 @@ def load_export(
     if bad:
         raise ExportError(f"{root / CONFIG_FILE}: does not match the target: {bad}")
     state = load_file(str(root / WEIGHTS_FILE))
-    _check_tensors(state, _expected_shapes(cfg), str(root / WEIGHTS_FILE))
+    check_tensor_shapes(state, _expected_shapes(cfg), str(root / WEIGHTS_FILE))
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     saved = state["fc.weight"].dtype
     drafter = DFlashDrafter(cfg, embed, head).to(saved)

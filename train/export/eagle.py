@@ -77,6 +77,7 @@ from .common import (
     ExportRequest,
     MissingCheckpointError,
     check_finite,
+    check_tensor_shapes,
     target_facts,
     tensor_bytes,
 )
@@ -212,25 +213,8 @@ def _read_drafter(src: Path) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
             f"{src / WEIGHTS_FILE}: cannot read the drafter weights ({exc}); the file is damaged "
             "or was not written by draftsmith"
         ) from exc
-    _check_tensors(state, _expected_shapes(cfg), str(src / WEIGHTS_FILE))
+    check_tensor_shapes(state, _expected_shapes(cfg), str(src / WEIGHTS_FILE))
     return cfg, state
-
-
-def _check_tensors(
-    state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], where: str
-) -> None:
-    missing = sorted(set(shapes) - set(state))
-    unexpected = sorted(set(state) - set(shapes))
-    wrong = [
-        f"{k}: {tuple(state[k].shape)} != {v}"
-        for k, v in shapes.items()
-        if k in state and tuple(state[k].shape) != v
-    ]
-    if missing or unexpected or wrong:
-        raise ExportError(
-            f"{where}: tensors do not match the config: missing {missing}, unexpected "
-            f"{unexpected}, wrong shape {wrong}"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -464,7 +448,7 @@ def load_export(
         # Full draft vocabulary: the identity maps our drafter holds (omitted in the export).
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    _check_tensors(state, _expected_shapes(cfg), str(root / WEIGHTS_FILE))
+    check_tensor_shapes(state, _expected_shapes(cfg), str(root / WEIGHTS_FILE))
     head = target.get_output_embeddings() if cfg.version == 1 else None
     embed = target.get_input_embeddings()
     saved = state["fc.weight"].dtype
