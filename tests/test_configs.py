@@ -25,6 +25,7 @@ from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.train.config import add_config_arguments, load_config
 from draftsmith.train.core.data import check_inputs
 from draftsmith.train.errors import UsageError
+from tests.config_headers import data_commands, header_commands
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
@@ -44,27 +45,6 @@ def _recipe(path: Path) -> str:
     recipe = next((name for name in CLASSES if path.stem.startswith(name)), None)
     assert recipe is not None, f"{path.name}: no config class registered for it in this test"
     return recipe
-
-
-def header_commands(path: Path) -> list[list[str]]:
-    """The ``draftsmith ...`` command lines of a config's leading comment block (``\\`` joins
-    continuation lines), as argv lists without ``draftsmith``."""
-    header = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line[1:].strip())
-    commands: list[str] = []
-    continued = False
-    for text in header:
-        if continued:
-            commands[-1] += " " + text.removesuffix("\\").strip()
-        elif text.startswith("draftsmith "):
-            commands.append(text.removesuffix("\\").strip())
-        else:
-            continue
-        continued = text.endswith("\\")
-    return [shlex.split(command)[1:] for command in commands]
 
 
 def _flags(argv: list[str]) -> list[str]:
@@ -126,7 +106,9 @@ def test_header_commands_make_the_configs_data(path, monkeypatch):
         if outputs:  # a chain: each later stage reads an earlier stage's output
             assert _input(parsed) in outputs, (argv, outputs)
         outputs.append(_output(parsed))
-    assert data[0][:2] == ["data", "distill"], "the data starts with the target's own answers"
+    assert data[0][:2] == ["data", "prompts"], "the data starts with prompts the project makes"
+    assert data[1][:2] == ["data", "distill"], "then the target's own answers"
+    assert data == data_commands(path), "every data command sits in the `# data commands:` block"
 
     # The config's data fields are what the commands write (`~` expanded on both sides).
     for field in ("data", "hidden_states_cache"):
@@ -144,20 +126,21 @@ def test_header_commands_make_the_configs_data(path, monkeypatch):
 
 
 def test_shipped_configs_share_one_distilled_file():
-    answers = {
-        str(_output(parse_command(argv)))
-        for path in TRAINING
-        for argv in header_commands(path)
-        if argv[:2] == ["data", "distill"]
-    }
-    assert len(answers) == 1, answers
-    # The README's "Training drafters" shows that command before the train commands.
+    """Every training config starts from the same prompts and answers, made by the commands the
+    README's "Training drafters" shows before its train commands."""
+    shared = {shlex.join(a) for path in TRAINING for a in data_commands(path)[:2]}
+    assert len(shared) == 2, shared  # one prompts command, one distill command
+    first = data_commands(TRAINING[0])[:2]
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Training drafters", 1)[1].split("\n## ", 1)[0]
-    shown = section.split("draftsmith data distill", 1)[1].split("```", 1)[0]
-    argv = ["data", "distill", *shlex.split(shown.replace("\\\n", " "))]
-    assert {str(_output(parse_command(argv)))} == answers
-    assert section.index("draftsmith data distill") < section.index("draftsmith train")
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    shown = [
+        shlex.split(line)[1:]
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.startswith("draftsmith ")
+    ]
+    assert shown == first
+    assert section.index("draftsmith data prompts") < section.index("draftsmith train")
 
 
 def test_header_drift_fails(tmp_path):
@@ -167,7 +150,7 @@ def test_header_drift_fails(tmp_path):
     drifted.write_text(text.replace("greedy128.jsonl  # self", "greedy256.jsonl  # self"))
     cfg = load_config(EagleTrainConfig, drifted)
     outputs = [_output(parse_command(a)) for a in header_commands(drifted) if a[0] == "data"]
-    assert outputs and all(out.name.endswith("greedy128.jsonl") for out in outputs)
+    assert outputs[-1].name.endswith("greedy128.jsonl"), outputs  # the answers
     assert cfg.data not in outputs
 
 
