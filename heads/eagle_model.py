@@ -49,6 +49,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .base import Features
+from .vocab_maps import check_vocab_maps, spread_logits
 
 if TYPE_CHECKING:
     from .eagle_config import EagleConfig
@@ -433,30 +434,12 @@ class EagleDrafter(nn.Module):
         """
         if self.config.version == 1:
             return draft_logits
-        out = draft_logits.new_full(
-            (*draft_logits.shape[:-1], self.config.vocab_size), float("-inf")
-        )
-        index = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
-        out[..., index] = draft_logits
-        return out
+        return spread_logits(draft_logits, self.d2t, self.config.vocab_size)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install EAGLE-3's vocab maps (see :func:`draftsmith.train.data.vocab.draft_vocab`)."""
         if self.config.version != 3:
             raise ValueError("EAGLE-1 predicts over the full target vocabulary; no d2t/t2d")
-        _check_vocab_maps(d2t, t2d, self.config)
+        check_vocab_maps(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
         self.d2t.copy_(d2t.to(self.d2t.device))
         self.t2d.copy_(t2d.to(self.t2d.device))
-
-
-def _check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, cfg: EagleConfig) -> None:
-    if tuple(d2t.shape) != (cfg.draft_vocab_size,):
-        raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({cfg.draft_vocab_size},)")
-    if tuple(t2d.shape) != (cfg.vocab_size,):
-        raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({cfg.vocab_size},)")
-    chosen = torch.arange(cfg.draft_vocab_size) + d2t.cpu().long()
-    if not torch.equal(chosen, torch.nonzero(t2d.cpu()).flatten()):
-        raise ValueError(
-            "d2t and t2d disagree: arange(N) + d2t must list the target ids where t2d is True, "
-            "in increasing order"
-        )

@@ -14,6 +14,15 @@ vLLM export is a plain copy: ``blocks.{h}.layers.{l}.weight`` / ``.bias`` for th
 layers and ``lm_heads.{h}.weight`` for the projections, or one ``lm_head.weight`` when every
 head shares the target's projection (vLLM's ``original_lm_head``).
 
+Draft vocabulary (FR-Spec; EAGLE-3's d2t/t2d): with ``draft_vocab_size`` N < V every head's
+projection has N rows, the N most frequent supervised tokens of the training data
+(:func:`draftsmith.train.data.vocab.draft_vocab`, as for EAGLE-3), so drafting multiplies
+N x H instead of V x H per head. The heads keep ``d2t`` (``target_id = i + d2t[i]``) and ``t2d``
+as buffers (saved with the weights); the proposer maps draft ids to target ids, and when
+sampling spreads each head's logits over the target vocabulary with ``-inf`` outside the draft
+vocabulary (:mod:`draftsmith.heads.vocab_maps`), so q is zero there and the loop's rejection
+sampling stays lossless. The default (``draft_vocab_size`` None) is the full vocabulary.
+
 Proposing (:class:`MedusaProposer`):
 
 * chain: the top-1 token of each head (greedy), or a sample from each head's processed
@@ -46,6 +55,7 @@ from torch import nn
 
 from .base import BuildOptions, DrafterKind, Features, Proposal
 from .sampling import SamplingParams, choose
+from .vocab_maps import check_vocab_maps, spread_logits, vocab_target_ids
 
 __all__ = [
     "ACCURACY_FILE",
@@ -117,6 +127,9 @@ class MedusaHeads(nn.Module):
             ``original_lm_head``) instead of K trainable copies. Far fewer parameters (a
             49k-token vocabulary makes each copy 28M parameters on SmolLM2), only the residual
             blocks learn.
+        draft_vocab_size: N, rows of each projection: the draft vocabulary (see the module
+            docstring; install its maps with :meth:`set_vocab`). None or ``vocab_size``: the
+            full vocabulary, no maps (the state dict is then that of heads without one).
     """
 
     def __init__(
@@ -127,27 +140,38 @@ class MedusaHeads(nn.Module):
         vocab_size: int,
         *,
         share_lm_head: bool = False,
+        draft_vocab_size: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads < 1 or num_layers < 1:
             raise ValueError(
                 f"need num_heads >= 1 and num_layers >= 1, got {num_heads} and {num_layers}"
             )
+        n = vocab_size if draft_vocab_size is None else int(draft_vocab_size)
+        if not 1 <= n <= vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {n}")
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
+        self.draft_vocab_size = n
         self.share_lm_head = share_lm_head
         self.blocks = nn.ModuleList(
             ResidualBlock(hidden_size, num_layers) for _ in range(num_heads)
         )
         if share_lm_head:
-            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+            self.lm_head = nn.Linear(hidden_size, n, bias=False)
             self.lm_head.requires_grad_(False)
         else:
             self.lm_heads = nn.ModuleList(
-                nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)
+                nn.Linear(hidden_size, n, bias=False) for _ in range(num_heads)
             )
+        if self.reduced:
+            # Until set_vocab: the first N target ids (d2t = 0), as EAGLE-3's drafter starts.
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
+            t2d = torch.zeros(vocab_size, dtype=torch.bool)
+            t2d[:n] = True
+            self.register_buffer("t2d", t2d)
 
     @classmethod
     def from_target(
@@ -157,19 +181,75 @@ class MedusaHeads(nn.Module):
         num_layers: int = 1,
         *,
         share_lm_head: bool = False,
+        d2t: torch.Tensor | None = None,
+        t2d: torch.Tensor | None = None,
     ) -> MedusaHeads:
         """Heads for ``target``, each projection initialised from its lm_head (Medusa §2.1.1).
 
+        With a draft vocabulary (``d2t``, ``t2d`` from
+        :func:`draftsmith.train.data.vocab.draft_vocab`) each projection starts as the lm_head's
+        rows of those tokens, so a head still starts as the target's own lm_head on them.
         The heads get the lm_head's dtype and device.
         """
+        if (d2t is None) != (t2d is None):
+            raise ValueError("pass both d2t and t2d, or neither")
         weight = target.get_output_embeddings().weight.detach()
         vocab, hidden = weight.shape
-        heads = cls(num_heads, num_layers, hidden, vocab, share_lm_head=share_lm_head)
+        n = None if d2t is None else int(d2t.shape[0])
+        heads = cls(
+            num_heads, num_layers, hidden, vocab, share_lm_head=share_lm_head, draft_vocab_size=n
+        )
+        if heads.reduced:
+            heads.set_vocab(d2t, t2d)
         heads.to(device=weight.device, dtype=weight.dtype)
+        rows = weight
+        if heads.reduced:
+            rows = weight[vocab_target_ids(heads.d2t).to(weight.device)]
         with torch.no_grad():
             for proj in heads.projections():
-                proj.weight.copy_(weight)
+                proj.weight.copy_(rows)
         return heads
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the heads predict over a draft vocabulary smaller than the target's."""
+        return self.draft_vocab_size < self.vocab_size
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft vocabulary's maps (:func:`draftsmith.train.data.vocab.draft_vocab`).
+
+        Raises:
+            ValueError: If the maps do not describe a draft vocabulary of these heads' sizes,
+                or the heads predict over the full vocabulary.
+        """
+        if not self.reduced:
+            raise ValueError("these heads predict over the full vocabulary: no d2t/t2d")
+        check_vocab_maps(d2t, t2d, self.draft_vocab_size, self.vocab_size)
+        self.d2t.copy_(d2t.to(self.d2t.device))
+        self.t2d.copy_(t2d.to(self.t2d.device))
+
+    def vocab_ids(self) -> torch.Tensor:
+        """The draft vocabulary as target ids, in draft order ``[N]`` (``arange(V)`` if full)."""
+        if not self.reduced:
+            return torch.arange(self.vocab_size, device=self.device)
+        return vocab_target_ids(self.d2t)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids to target ids (``i + d2t[i]``; identity for the full vocabulary)."""
+        if not self.reduced:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[..., N]`` spread over the target vocabulary ``[..., V]``, ``-inf``
+        outside the draft vocabulary (q = 0 there). Identity for the full vocabulary."""
+        if not self.reduced:
+            return draft_logits
+        return spread_logits(draft_logits, self.d2t, self.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def projections(self) -> list[nn.Linear]:
         """The K vocabulary projections (the same module K times when shared)."""
@@ -184,6 +264,7 @@ class MedusaHeads(nn.Module):
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
             "share_lm_head": self.share_lm_head,
         }
 
@@ -192,7 +273,8 @@ class MedusaHeads(nn.Module):
         return self.blocks[k](hidden)
 
     def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Head k's logits for the token k+2 positions ahead: ``[..., H] -> [..., V]``."""
+        """Head k's logits for the token k+2 positions ahead: ``[..., H] -> [..., N]``, over
+        the draft vocabulary (N = V without one; :meth:`target_ids` maps the ids back)."""
         return self.projections()[k](self.blocks[k](hidden))
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
@@ -203,7 +285,8 @@ class MedusaHeads(nn.Module):
             num_heads: how many heads to run (the chain/tree depth actually needed).
 
         Returns:
-            ``[K', ..., V]``; row k predicts the token k+2 positions after each input position.
+            ``[K', ..., N]`` over the draft vocabulary (N = V without one); row k predicts the
+            token k+2 positions after each input position.
         """
         n = self.num_heads if num_heads is None else min(num_heads, self.num_heads)
         return torch.stack([self.head_logits(k, hidden) for k in range(n)])
@@ -223,7 +306,7 @@ class MedusaHeads(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         config = {"format": FORMAT, "version": FORMAT_VERSION, **self.config(), **(extra or {})}
-        config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+        config["dtype"] = str(_float_dtype(tensors)).removeprefix("torch.")
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         return path
 
@@ -256,10 +339,20 @@ def load_medusa(path: str | Path, *, device: str | torch.device = "cpu") -> Medu
         config["hidden_size"],
         config["vocab_size"],
         share_lm_head=config.get("share_lm_head", False),
+        draft_vocab_size=config.get("draft_vocab_size"),  # absent before draft vocabularies
     )
     heads.load_state_dict(state)
-    dtype = next(iter(state.values())).dtype
-    return heads.to(device=device, dtype=dtype).eval()
+    if heads.reduced:
+        try:
+            check_vocab_maps(heads.d2t, heads.t2d, heads.draft_vocab_size, heads.vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"{weights}: {exc}") from None
+    return heads.to(device=device, dtype=_float_dtype(state)).eval()
+
+
+def _float_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    """The weights' dtype (the vocabulary maps are integer and boolean buffers)."""
+    return next(t.dtype for t in tensors.values() if t.is_floating_point())
 
 
 def _check_finite(tensors: dict[str, torch.Tensor], what: str) -> None:
@@ -426,6 +519,9 @@ class MedusaProposer:
         self.choices = (
             None if medusa_choices is None else check_choices(medusa_choices, heads.num_heads)
         )
+        if self.choices is not None:
+            # A draft vocabulary of N tokens has no rank >= N (nor have the nodes below one).
+            self.choices = [n for n in self.choices if max(n) < heads.draft_vocab_size]
         self._trees: dict[int, tuple[Choices, list[int], list[int]]] = {}
         self._hidden: torch.Tensor | None = None  # [H] at the last kept position
         self.name = name or f"medusa-{self.mode}"
@@ -464,10 +560,15 @@ class MedusaProposer:
             raise RuntimeError("MedusaProposer.propose called before start()")
         depth = min(k, self.heads.num_heads)
         device = ids.device
+        heads = self.heads
         if self.choices is None:
             tokens, probs = [], []
             for d in range(depth):
-                tok, q = choose(self.heads.head_logits(d, self._hidden), sampling, generator)
+                logits = heads.head_logits(d, self._hidden)  # [N], the draft vocabulary
+                if sampling.greedy:  # argmax over the draft vocabulary, as a target id
+                    tok, q = heads.target_ids(logits.argmax(-1)), None
+                else:  # q over the target vocabulary, zero outside the draft vocabulary
+                    tok, q = choose(heads.target_logits(logits), sampling, generator)
                 tokens.append(tok)
                 probs.append(q)
             return Proposal(
@@ -478,7 +579,7 @@ class MedusaProposer:
         if not nodes:
             return Proposal(tokens=torch.empty(0, dtype=torch.long, device=device))
         top = [
-            self.heads.head_logits(d, self._hidden).topk(ranks_needed[d]).indices
+            heads.target_ids(heads.head_logits(d, self._hidden).topk(ranks_needed[d]).indices)
             for d in range(len(ranks_needed))
         ]
         tokens = torch.stack([top[len(node) - 1][node[-1]] for node in nodes])

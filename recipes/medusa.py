@@ -57,6 +57,7 @@ from ..train.config import cfg_field, parse_config
 from ..train.core.config import TrainConfig
 from ..train.core.data import (
     check_enough_data,
+    eos_ids,
     input_errors,
     load_samples,
     rank_batches,
@@ -67,7 +68,8 @@ from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun
 from ..train.core.stop import NonFiniteError, non_finite_parameters
 from ..train.decoding.metrics import simulated_tau
-from ..train.errors import cli_main
+from ..train.device import DTYPE_AUTO_HELP, auto_dtype
+from ..train.errors import UsageError, cli_main
 from ..train.objectives.medusa import (
     HEAD_LABELS,
     TARGET_LOSSES,
@@ -96,7 +98,7 @@ class MedusaConfig(TrainConfig):
     # --- target and data ---------------------------------------------------------------------
     target_dtype: str = cfg_field(
         "auto",
-        help="target weights dtype (auto: fp32 on CPU, bf16 on GPU)",
+        help="target weights dtype (" + DTYPE_AUTO_HELP + ")",
         choices=["auto", "fp32", "bf16", "fp16"],
     )
     data: Path | None = cfg_field(
@@ -126,6 +128,12 @@ class MedusaConfig(TrainConfig):
     num_layers: int = cfg_field(1, help="residual layers per head", ge=1)
     share_lm_head: bool = cfg_field(
         False, help="all heads use the target's frozen lm_head (vLLM original_lm_head)"
+    )
+    draft_vocab_size: int | None = cfg_field(
+        None,
+        help="reduced draft vocabulary (FR-Spec, as EAGLE-3's): each head predicts over the N "
+        "most frequent supervised tokens, EOS always in; None or 0 = the full vocabulary",
+        ge=0,
     )
     head_labels: str = cfg_field(
         "data",
@@ -164,6 +172,10 @@ class MedusaConfig(TrainConfig):
 
     def validate(self) -> list[tuple[str, str]]:
         problems = super().validate()
+        if self.val_data is not None:
+            problems.append(
+                ("val_data", "the Medusa recipe validates on val_samples records only (for now)")
+            )
         if self.hidden_states == "offline":
             if self.hidden_states_cache is None:
                 problems.append(("hidden_states_cache", "offline hidden states need a cache dir"))
@@ -234,6 +246,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
 
     from ..train.data.batching import TokenDataset, collate_hidden_states
     from ..train.data.chat import template_fingerprint
+    from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.features.cache_format import DTYPES
     from ..train.features.cache_read import cached_max_length
     from ..train.features.source import (
@@ -263,17 +276,57 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
 
         # --- target (frozen) ------------------------------------------------------------------
         target_path = prepare_target(cfg.target, cache_dir=cfg.cache_dir, quiet=not run.is_main)
-        dtype_name = cfg.target_dtype
-        if dtype_name == "auto":
-            dtype_name = "bf16" if accelerator.device.type == "cuda" else "fp32"
+        dtype_name = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
         target, tokenizer = load_target(target_path, dtype=DTYPES[dtype_name])
         feature_layer = int(target.config.num_hidden_layers)  # final normed output (heads.base)
+        tokens, summary = None, None
+        if cfg.data is not None:
+            tokens, summary = load_samples(
+                cfg.data, tokenizer, max_length=cfg.max_length, split=cfg.split, limit=cfg.limit
+            )
+
+        # --- draft vocabulary (draft_vocab_size) ----------------------------------------------
+        # FR-Spec / EAGLE-3 §3: the heads predict over the most frequent target tokens only,
+        # counted on the supervised tokens of this run's data, EOS always in (as the eagle
+        # recipe does). The maps are buffers of the heads: checkpoints and saves carry them.
+        d2t = t2d = None
+        vocab_note: dict[str, Any] = {}
+        vocab = int(target.get_output_embeddings().weight.shape[0])
+        if cfg.draft_vocab_size and cfg.draft_vocab_size > vocab:
+            raise UsageError(
+                f"draft_vocab_size: {cfg.draft_vocab_size} is larger than the target's "
+                f"vocabulary ({vocab}); choose <= {vocab}"
+            )
+        if cfg.draft_vocab_size and cfg.draft_vocab_size < vocab:
+            if tokens is not None:
+                count_source = tokens
+            else:  # offline without data: the cache's tokens
+                from ..train.features.cache_read import HiddenStateCache
+
+                count_source = HiddenStateCache(cfg.hidden_states_cache).token_view()
+            counts = token_counts(count_source, vocab, max_length=cfg.max_length)
+            d2t, t2d = draft_vocab(
+                counts, cfg.draft_vocab_size, always_include=eos_ids(tokenizer, target)
+            )
+            vocab_note = {
+                "draft_vocab_size": cfg.draft_vocab_size,
+                "draft_vocab_coverage": coverage(counts, t2d),
+            }
+            say(
+                f"draft vocab: {cfg.draft_vocab_size} of {vocab} tokens cover "
+                f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens"
+            )
 
         # --- heads (+ LoRA on the target for Medusa-2) ----------------------------------------
         # Heads train in fp32 whatever the target's dtype (mixed_precision autocasts matmuls).
         # Built from the whole target's lm_head, before the target is placed (sharded by FSDP).
         heads = MedusaHeads.from_target(
-            target, cfg.num_heads, cfg.num_layers, share_lm_head=cfg.share_lm_head
+            target,
+            cfg.num_heads,
+            cfg.num_layers,
+            share_lm_head=cfg.share_lm_head,
+            d2t=d2t,
+            t2d=t2d,
         ).float()
         if medusa2:
             target.to(accelerator.device)  # prepared inside the objective below
@@ -306,11 +359,6 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
 
         # --- data -----------------------------------------------------------------------------
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        tokens, summary = None, None
-        if cfg.data is not None:
-            tokens, summary = load_samples(
-                cfg.data, tokenizer, max_length=cfg.max_length, split=cfg.split, limit=cfg.limit
-            )
         if medusa2:
             # The target is trained, so it runs inside the step with gradients: token batches.
             dataset = TokenDataset(tokens, cfg.max_length)
@@ -514,6 +562,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
             "stage": cfg.stage,
             "train_samples": len(train_set),
             "trainable_parameters": trainable,
+            **vocab_note,
             "final_validation": report,
             "data": str(cfg.data or cfg.hidden_states_cache),
             **info,

@@ -10,6 +10,7 @@ import torch
 from draftsmith.heads.eagle import EagleConfig, build_drafter, save_drafter
 from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.recipes.cli import main as cli
+from draftsmith.train.data.vocab import draft_vocab as draft_vocab_maps
 from draftsmith.train.export import eagle as export_eagle
 from draftsmith.train.export.hf import save_draft
 from draftsmith.train.export.medusa import load_medusa_export
@@ -51,10 +52,15 @@ def test_eagle_formats_round_trip(tmp_path, tiny, fmt, version):
     assert _export("--format", fmt, "--checkpoint", src, "--out", out, "--target", target_dir) == 2
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full", "draft-vocab"])
 @pytest.mark.parametrize("fmt", ["medusa-vllm", "medusa"])
-def test_medusa_formats_round_trip(tmp_path, tiny, fmt):
+def test_medusa_formats_round_trip(tmp_path, tiny, fmt, draft_vocab):
     target_dir, target, _ = tiny
-    heads = MedusaHeads.from_target(target, 2, 1)
+    d2t = t2d = None
+    if draft_vocab:  # 40 of the tiny target's tokens; written as full-vocabulary heads
+        counts = torch.randint(0, 100, (target.config.vocab_size,), generator=torch.Generator())
+        d2t, t2d = draft_vocab_maps(counts, 40)
+    heads = MedusaHeads.from_target(target, 2, 1, d2t=d2t, t2d=t2d)
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -75,7 +81,13 @@ def test_medusa_formats_round_trip(tmp_path, tiny, fmt):
     )
     back = load_medusa_export(out)
     h = torch.randn(4, target.config.hidden_size)
-    assert torch.equal(back(h), heads(h))
+    if not draft_vocab:
+        assert torch.equal(back(h), heads(h))
+        return
+    full, ours = back(h), heads(h)
+    assert full.shape[-1] == target.config.vocab_size and ours.shape[-1] == 40
+    assert torch.equal(full[..., heads.vocab_ids()], ours)
+    assert torch.equal(full.argmax(-1), heads.target_ids(ours.argmax(-1)))
 
 
 def test_hf_format_round_trip(tmp_path, tiny):

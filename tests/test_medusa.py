@@ -20,6 +20,7 @@ from draftsmith.heads.medusa import (
     medusa_proposer,
 )
 from draftsmith.heads.sampling import SamplingParams
+from draftsmith.train.data.vocab import draft_vocab
 from draftsmith.train.decoding.speculative import generate
 from draftsmith.train.export.medusa import (
     export_medusa_original,
@@ -474,3 +475,246 @@ def test_exports_replace_atomically(target, tmp_path):
     assert leftovers == []
     with pytest.raises(ValueError, match="holds no Medusa heads"):
         load_medusa_export(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# Draft vocabulary (FR-Spec / EAGLE-3's d2t): heads over the N most frequent tokens
+# --------------------------------------------------------------------------------------------
+
+N = 16
+
+
+def greedy_vocab(target, n: int = N, prompts: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft vocabulary of the target's own greedy outputs (what self-distilled data holds)."""
+    counts = torch.zeros(V, dtype=torch.long)
+    for seed in range(prompts):
+        prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(100 + seed))
+        counts += torch.bincount(
+            torch.tensor(generate(target, prompt, None, max_new_tokens=40).tokens), minlength=V
+        )
+    return draft_vocab(counts, n)
+
+
+def reduced_heads(target, share: bool = False, seed: int = 0, **kw) -> MedusaHeads:
+    d2t, t2d = greedy_vocab(target)
+    heads = MedusaHeads.from_target(target, share_lm_head=share, d2t=d2t, t2d=t2d, **kw)
+    return perturbed(heads, seed=seed, scale=0.02)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_vocab_heads_start_as_the_targets_rows_and_reload(target, tmp_path, share):
+    d2t, t2d = greedy_vocab(target)
+    heads = MedusaHeads.from_target(target, 3, 1, share_lm_head=share, d2t=d2t, t2d=t2d)
+    ids = torch.arange(N) + d2t
+    assert heads.reduced and torch.equal(heads.vocab_ids(), ids)
+    assert torch.equal(torch.nonzero(t2d).flatten(), ids)
+    h = torch.randn(5, H)
+    want = target.get_output_embeddings()(h)[:, ids]
+    assert heads(h).shape == (3, 5, N)
+    assert all(torch.equal(heads.head_logits(k, h), want) for k in range(3))
+    assert all(p.weight.shape == (N, H) for p in heads.projections())  # N rows, not V
+    assert torch.equal(heads.target_ids(torch.arange(N)), ids)
+    spread = heads.target_logits(heads.head_logits(0, h))
+    assert torch.equal(spread[:, ids], want) and bool((spread[:, ~t2d] == -torch.inf).all())
+    # The maps are buffers: saved with the weights, restored by load_medusa.
+    heads = perturbed(heads)
+    heads.save(tmp_path / "h")
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["draft_vocab_size"] == N
+    back = load_medusa(tmp_path / "h")
+    assert back.draft_vocab_size == N and torch.equal(back.d2t, d2t) and torch.equal(back.t2d, t2d)
+    assert torch.equal(back(h), heads(h))
+    # Inconsistent maps are refused, naming the file.
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(tmp_path / "h" / "model.safetensors"))
+    state["d2t"] = state["d2t"].flip(0)
+    save_file(state, str(tmp_path / "h" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.safetensors: d2t and t2d disagree"):
+        load_medusa(tmp_path / "h")
+    # Full-vocabulary heads keep their old state dict (no maps): old checkpoints still load.
+    assert "d2t" not in MedusaHeads.from_target(target, 2, 1).state_dict()
+
+
+@pytest.mark.parametrize("choices", [None, TREE], ids=["chain", "tree"])
+def test_draft_vocab_greedy_output_is_the_targets(target, choices):
+    heads = reduced_heads(target, num_heads=4, num_layers=1)
+    proposer = MedusaProposer(heads, target.config.num_hidden_layers, choices)
+    proposed: list[int] = []
+    propose = proposer.propose
+
+    def spy(*args):
+        p = propose(*args)
+        proposed.extend(p.tokens.tolist())
+        return p
+
+    proposer.propose = spy
+    accepted = 0
+    for seed in range(3):
+        prompt = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(seed))
+        plain = generate(target, prompt, None, max_new_tokens=40)
+        spec = generate(target, prompt, proposer, k=4, max_new_tokens=40)
+        assert spec.tokens == plain.tokens
+        accepted += spec.accepted
+    assert accepted > 0
+    assert proposed and all(heads.t2d[t] for t in proposed)  # only draft-vocabulary tokens
+
+
+def test_draft_vocab_tree_leaves_out_ranks_beyond_n(target):
+    heads = reduced_heads(target, num_heads=2, num_layers=1)
+    deep = [(0,), (N - 1,), (N,), (0, 0), (N, 0), (0, N + 1)]
+    proposer = MedusaProposer(heads, 4, deep)
+    assert proposer.choices == [(0,), (N - 1,), (0, 0)]
+
+
+def test_draft_vocab_sampled_chain_q_is_zero_outside(target):
+    heads = reduced_heads(target, num_heads=3, num_layers=1)
+    proposer = MedusaProposer(heads, 4)
+    prompt = torch.randint(0, V, (1, 5))
+    with torch.no_grad():
+        out = target(input_ids=prompt, output_hidden_states=True)
+    proposer.start(prompt, {4: out.hidden_states[4]})
+    p = proposer.propose(prompt, 3, SamplingParams(temperature=1.0), torch.Generator())
+    assert p.probs.shape == (3, V)
+    assert bool((p.probs[:, ~heads.t2d] == 0).all())
+    torch.testing.assert_close(p.probs.sum(-1), torch.ones(3))
+    assert all(heads.t2d[t] for t in p.tokens.tolist())
+
+
+def reduced_one_hot_heads(num_heads: int, vocab: int, keep: list[int], scale: float = 50.0):
+    """one_hot_heads over the draft vocabulary ``keep`` (target ids, ascending)."""
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[keep] = True
+    d2t = torch.tensor(keep) - torch.arange(len(keep))
+    heads = MedusaHeads(num_heads, 1, vocab, vocab, draft_vocab_size=len(keep))
+    heads.set_vocab(d2t, t2d)
+    with torch.no_grad():
+        for proj in heads.projections():
+            proj.weight.copy_(scale * torch.eye(vocab)[keep])
+    return heads
+
+
+def test_draft_vocab_loss_restricts_labels_like_eagle3():
+    """data/target labels outside the draft vocabulary leave the CE (and count as misses);
+    target_soft is the target's distribution restricted to the draft vocabulary, renormalised
+    (EAGLE-3's label)."""
+    vocab, keep = 10, [0, 2, 3, 5, 7, 8]
+    ids = torch.tensor([[2, 5, 7, 1, 8, 3, 3, 9, 0, 4, 5, 2]])
+    mask = torch.ones_like(ids)
+    T = ids.shape[1]
+    hidden = torch.zeros(1, T, vocab)
+    for t in range(T - 1):
+        hidden[0, t, ids[0, t + 1]] = 1.0  # the teacher predicts the data's next token
+    heads = perturbed(reduced_one_hot_heads(2, vocab, keep, scale=1.0), scale=0.3)
+
+    def teacher(h):
+        return 3.0 * h + 0.1 * torch.arange(vocab, dtype=h.dtype)
+
+    out = medusa_head_losses(heads, hidden, ids, mask, labels="data")
+    soft = medusa_head_losses(heads, hidden, ids, mask, labels="target_soft", teacher=teacher)
+    hard = medusa_head_losses(heads, hidden, ids, mask, labels="target", teacher=teacher)
+    index = torch.full((vocab,), -1)
+    index[keep] = torch.arange(len(keep))
+    for k in range(2):
+        b, t = head_label_positions(mask, k)
+        logits = heads.head_logits(k, hidden[b, t]).float()
+        labels = ids[b, t + k + 2]
+        inside = index[labels] >= 0
+        assert 0 < int(inside.sum()) < len(labels)  # some labels are outside the vocabulary
+        want = torch.nn.functional.cross_entropy(logits[inside], index[labels[inside]])
+        torch.testing.assert_close(out["head_loss"][k], want.detach())
+        assert out["count"][k] == len(labels)  # every position counts in the accuracies
+        top1 = heads.target_ids(logits.argmax(-1))
+        assert out["correct1"][k] == int((top1 == labels).sum())
+        # target_soft: softmax of the teacher's logits over the draft tokens only.
+        p = teacher(hidden[b, t + k + 1])[:, keep].softmax(-1)
+        want = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        torch.testing.assert_close(soft["head_loss"][k], want.detach())
+        # target (hard) = data here: the teacher's argmax is the data's token.
+        torch.testing.assert_close(hard["head_loss"][k], out["head_loss"][k])
+    # Every label outside the vocabulary: a zero loss that keeps the graph, not NaN.
+    outside = torch.tensor([[1, 4, 6, 9, 1, 4, 6, 9]])
+    none = medusa_head_losses(heads, hidden[:, :8], outside, torch.ones_like(outside))
+    assert float(none["loss"].detach()) == 0.0 and none["loss"].requires_grad
+    assert none["correct1"].sum() == 0 and none["count"].sum() > 0
+
+
+def test_draft_vocab_rank_counts_skip_tokens_outside():
+    vocab, keep = 6, [0, 3, 5]
+    seq = torch.tensor([[3, 5, 1, 3, 5, 1, 3, 5, 1, 3]])
+    onehot = torch.nn.functional.one_hot(seq, vocab).float()
+    heads = reduced_one_hot_heads(1, vocab, keep)
+    # Head 0 at t is judged against the teacher at t+1, i.e. the token at t+1, and scores 50 on
+    # token t (when a draft token): rank 1 when both are draft tokens, rank 0 after token 1
+    # (every logit 0); a reference token outside the vocab (1) has no rank.
+    c, t = rank_counts(heads, onehot, torch.ones_like(seq), lambda x: 50 * x, 3)
+    positions = seq.shape[1] - 2
+    pairs = [(int(seq[0, j]), int(seq[0, j + 1])) for j in range(positions)]
+    assert t[0] == positions
+    assert c[0, 0] == sum(a == 1 for a, _ in pairs)
+    assert c[0, 1] == sum(a != 1 and b != 1 for a, b in pairs)
+    assert c[0].sum() == sum(b != 1 for _, b in pairs)
+
+
+def test_draft_vocab_training_reduces_the_loss(target):
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, 24))
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    counts = torch.bincount(ids[mask.bool()], minlength=V)
+    d2t, t2d = draft_vocab(counts, 24)
+    heads = MedusaHeads.from_target(target, num_heads=2, num_layers=1, d2t=d2t, t2d=t2d)
+    objective = Medusa1Objective(heads, labels="data")
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-2)
+    hidden = final_hidden(target, ids)
+    first = None
+    for _ in range(30):
+        out = objective(hidden, ids, mask)
+        first = out["head_loss"].clone() if first is None else first
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    assert (objective(hidden, ids, mask)["head_loss"] < 0.5 * first).all()
+    assert torch.equal(heads.t2d, t2d)  # the maps are buffers, not trained
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_vocab_exports_the_full_vocabulary_equivalent(target, tmp_path, share):
+    """Both formats write V-row projections (rows outside the draft vocabulary = the mean of its
+    rows): reloaded, logits on the draft vocabulary are ours, no other token outscores the best
+    draft token, and the drafted tokens (chain, top-1 per head) are ours token for token."""
+    from safetensors.torch import load_file
+
+    heads = reduced_heads(target, share, num_heads=3, num_layers=1)
+    heads.save(tmp_path / "run", extra={"target_name_or_path": "tiny"})
+    ids = heads.vocab_ids()
+    vllm = export_medusa_vllm(tmp_path / "run", tmp_path / "vllm")
+    cfg = json.loads((vllm / "config.json").read_text())
+    assert (cfg["vocab_size"], cfg["truncated_vocab_size"]) == (V, V)  # no token_map
+    tensors = load_file(str(vllm / "model.safetensors"))
+    assert "token_map" not in tensors and "d2t" not in tensors and "t2d" not in tensors
+    assert tensors["lm_heads.0.weight"].shape == (V, H)
+    info = json.loads((vllm / "draftsmith_export.json").read_text())
+    assert info["draft_vocab"]["draft_vocab_size"] == N
+    assert "draft vocabulary" in (vllm / "README.md").read_text()
+    orig = export_medusa_original(tmp_path / "run", tmp_path / "orig", base_model_name_or_path="x")
+    prompt = torch.randint(0, V, (1, 30), generator=torch.Generator().manual_seed(5))
+    h = torch.cat([final_hidden(target, prompt)[0], torch.randn(200, H)])
+    ours = heads(h)  # [K, n, N]
+    for out in (vllm, orig):
+        back = load_medusa_export(out)
+        full = back(h)  # [K, n, V]
+        assert not back.reduced and full.shape[-1] == V
+        torch.testing.assert_close(full[..., ids], ours, rtol=0, atol=1e-6)
+        outside = full[..., ~heads.t2d]
+        assert bool((outside.amax(-1) < ours.amax(-1)).all())
+        assert torch.equal(full.argmax(-1), heads.target_ids(ours.argmax(-1)))
+        # The chain a full-vocabulary server drafts from these files is ours.
+        a = MedusaProposer(heads, 4)
+        b = MedusaProposer(back, 4)
+        for proposer in (a, b):
+            with torch.no_grad():
+                out_ = target(input_ids=prompt, output_hidden_states=True)
+            proposer.start(prompt, {4: out_.hidden_states[4]})
+        pa = a.propose(prompt, 3, SamplingParams(), None)
+        pb = b.propose(prompt, 3, SamplingParams(), None)
+        assert pa.tokens.tolist() == pb.tokens.tolist()

@@ -97,10 +97,12 @@ def test_config_errors_name_every_field(tmp_path):
                 "stage": "medusa2",
                 "warmup_ratio": "1",
                 "lora_dropout": "1",
+                "draft_vocab_size": "-1",
             },
         )
     fields = {f for f, _ in err.value.problems}
     assert fields == {
+        "draft_vocab_size",
         "num_heads",
         "lr",
         "head_decay",
@@ -148,6 +150,68 @@ def test_medusa1_trains_saves_resumes_and_proposes(tmp_path, tiny_target_dir, ca
         proposer = medusa_proposer(run / "heads", target, tree=tree)
         assert (proposer.choices is not None) == tree
         assert generate(target, prompt, proposer, k=3, max_new_tokens=24).tokens == plain.tokens
+
+
+def test_draft_vocab_trains_resumes_validates_and_proposes(tmp_path, tiny_target_dir, capsys):
+    """draft_vocab_size: the heads predict over EAGLE-3's vocabulary of the run's data (the N most
+    frequent supervised tokens, EOS in), saved with them and kept over a resume; the target's
+    greedy output is unchanged, chain and tree. Offline without data, the cache's tokens give the
+    same vocabulary."""
+    from draftsmith.train.core.data import eos_ids, load_samples
+    from draftsmith.train.data.vocab import coverage, draft_vocab, token_counts
+
+    n = 12  # fewer than the data's distinct supervised tokens: some labels fall outside
+    assert train_medusa(args(tmp_path, tiny_target_dir, draft_vocab_size=n)) == 0
+    run = tmp_path / "run"
+    heads = load_medusa(run / "heads")
+    assert heads.draft_vocab_size == n and heads.lm_heads[0].weight.shape[0] == n
+    target, tok = load_target(tiny_target_dir)
+    tokens, _ = load_samples(tmp_path / "data.jsonl", tok, max_length=96, split="all")
+    counts = token_counts(tokens, heads.vocab_size, max_length=96)
+    d2t, t2d = draft_vocab(counts, n, always_include=eos_ids(tok, target))
+    assert torch.equal(heads.d2t, d2t) and torch.equal(heads.t2d, t2d)
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["draft_vocab_size"] == n
+    assert metrics["draft_vocab_coverage"] == pytest.approx(coverage(counts, t2d))
+    assert 0.5 < metrics["draft_vocab_coverage"] < 1.0
+    assert all(n_ > 0 for n_ in metrics["final_validation"]["positions"])
+    assert f"draft vocab: {n} of {heads.vocab_size} tokens" in capsys.readouterr().out
+
+    assert train_medusa(args(tmp_path, tiny_target_dir, draft_vocab_size=n, max_steps=6)) == 0
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["steps"] == 6 and metrics["resumed_from"] == 4
+    resumed = load_medusa(run / "heads")
+    assert torch.equal(resumed.d2t, d2t) and torch.equal(resumed.t2d, t2d)
+    assert not torch.equal(resumed.lm_heads[0].weight, heads.lm_heads[0].weight)
+
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    plain = generate(target, prompt, None, max_new_tokens=24)
+    for tree in (False, True):
+        proposer = medusa_proposer(run / "heads", target, tree=tree)
+        assert generate(target, prompt, proposer, k=3, max_new_tokens=24).tokens == plain.tokens
+
+    cache_final_layer(tmp_path, tiny_target_dir)
+    offline = args(
+        tmp_path,
+        tiny_target_dir,
+        draft_vocab_size=n,
+        max_steps=2,
+        save_every=0,
+        hidden_states="offline",
+        hidden_states_cache=tmp_path / "cache",
+        output_dir=tmp_path / "off",
+    )
+    i = offline.index("--data")
+    del offline[i : i + 2]  # the cache holds the tokens
+    assert train_medusa(offline) == 0
+    off = load_medusa(tmp_path / "off" / "heads")
+    assert torch.equal(off.d2t, d2t) and torch.equal(off.t2d, t2d)
+
+    too_big = args(tmp_path, tiny_target_dir, draft_vocab_size=10**6, output_dir=tmp_path / "big")
+    assert train_medusa(too_big) == 2
+    assert "draft_vocab_size: 1000000 is larger than the target's vocabulary" in (
+        capsys.readouterr().err
+    )
 
 
 def cache_final_layer(tmp_path, target_dir, max_length: int | None = None) -> list[int]:

@@ -18,6 +18,7 @@ from draftsmith.heads.eagle import EagleConfig, build_drafter
 from draftsmith.heads.eagle_proposer import EagleProposer
 from draftsmith.heads.medusa import MedusaHeads, MedusaProposer
 from draftsmith.heads.sampling import SamplingParams, logits_to_probs, sample
+from draftsmith.train.data.vocab import draft_vocab
 from draftsmith.train.decoding import speculative
 from draftsmith.train.decoding.speculative import generate
 from tests.conftest import tiny_llama
@@ -336,6 +337,56 @@ def test_tree_drafters_draft_trees_at_temperature(target, kind):
         logits = target(torch.tensor([prompt + out.tokens])).logits[0]
     p = logits_to_probs(logits[len(prompt) - 1 : -1], sampling)
     assert bool((p[torch.arange(30), torch.tensor(out.tokens)] > 0).all())
+
+
+# --- Medusa over a draft vocabulary (FR-Spec / EAGLE-3's d2t) ---------------------------------
+
+DRAFT_IDS = [1, 3, 4, 6]  # not the first ids: d2t must be applied
+
+
+def _medusa_reduced(model, tree: bool) -> MedusaProposer:
+    """Medusa heads over 4 of the 8 tokens (random residual blocks), chain or tree."""
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    counts[DRAFT_IDS] = 10
+    d2t, t2d = draft_vocab(counts, len(DRAFT_IDS))
+    heads = MedusaHeads.from_target(model, num_heads=3, num_layers=1, d2t=d2t, t2d=t2d)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)] if tree else None
+    return MedusaProposer(heads, model.config.num_hidden_layers, choices)
+
+
+class MisplacedQ:
+    """A reduced-vocabulary chain whose q sits at the first N ids instead of the draft tokens'
+    (an indexing slip that keeps the tokens right): the χ² check must reject it."""
+
+    def __init__(self, proposer: MedusaProposer):
+        self.inner, self.feature_layers = proposer, proposer.feature_layers
+        self.start, self.accept = proposer.start, proposer.accept
+
+    def propose(self, ids, k, sampling, generator):
+        p = self.inner.propose(ids, k, sampling, generator)
+        wrong = torch.zeros_like(p.probs)
+        wrong[:, : len(DRAFT_IDS)] = p.probs[:, DRAFT_IDS]
+        return Proposal(p.tokens, wrong, p.parents)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_medusa_draft_vocab_stays_lossless_at_temperature(model, tree):
+    """Sampled chain (q over the target vocabulary, zero outside the draft vocabulary) and
+    sampled tree (top-k candidates mapped to target ids) keep the target's distribution."""
+    sampling = SamplingParams(temperature=0.8, top_k=6)
+    stat, critical, accepted = chi2_check(model, _medusa_reduced(model, tree), sampling, 500)
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+    assert accepted[0] > 0, accepted
+
+
+def test_medusa_draft_vocab_check_rejects_a_misplaced_q(model):
+    sampling = SamplingParams(temperature=0.8, top_k=6)
+    stat, critical, _ = chi2_check(model, MisplacedQ(_medusa_reduced(model, False)), sampling, 300)
+    assert stat > critical, f"misplaced q not rejected: chi2 {stat:.1f} < {critical:.1f}"
 
 
 # --- greedy trees are unchanged ----------------------------------------------------------------

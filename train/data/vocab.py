@@ -145,11 +145,10 @@ def t2d_index(t2d: torch.Tensor) -> torch.Tensor:
         t2d: ``[V]`` bool mask from :func:`draft_vocab`.
 
     Returns:
-        ``[V]`` int64.
+        ``[V]`` int64, on ``t2d``'s device (computed there, without a host sync).
     """
-    out = torch.full(t2d.shape, -1, dtype=torch.long)
-    out[t2d] = torch.arange(int(t2d.sum()), dtype=torch.long)
-    return out
+    rank = torch.cumsum(t2d.long(), dim=0) - 1  # draft ids are the chosen ids in target order
+    return torch.where(t2d.bool(), rank, torch.full_like(rank, -1))
 
 
 def coverage(counts: torch.Tensor, t2d: torch.Tensor) -> float:

