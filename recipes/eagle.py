@@ -62,8 +62,9 @@ from ..train.core.data import (
     total_steps,
 )
 from ..train.core.dist import exit_process
-from ..train.core.run import TrainRun, mean_over_processes
+from ..train.core.run import TrainRun, held_out_validation, mean_over_processes
 from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 
 
@@ -92,8 +93,9 @@ class EagleTrainConfig(TrainConfig):
     target_dtype: str = cfg_field(
         "fp32",
         help="target weights dtype for online features and the label head (bf16: ~2x faster "
-        "wide forwards on AVX512-BF16/AMX CPUs and GPUs; the drafter keeps fp32 master weights)",
-        choices=["fp32", "bf16"],
+        "wide forwards on AVX512-BF16/AMX CPUs and GPUs; the drafter keeps fp32 master "
+        "weights); " + DTYPE_AUTO_HELP,
+        choices=["auto", "fp32", "bf16"],
     )
     feature_layers: list[int] | None = cfg_field(
         None,
@@ -172,7 +174,7 @@ def train(cfg: EagleTrainConfig) -> int:
     from ..train.data.chat import template_fingerprint
     from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.decoding.metrics import simulated_tau
-    from ..train.features.source import feature_source, target_fingerprint
+    from ..train.features.source import feature_source, target_fingerprint, val_data_source
     from ..train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
     from ..train.progress import progress
     from ..train.runinfo import run_info
@@ -185,7 +187,8 @@ def train(cfg: EagleTrainConfig) -> int:
         info = run_info(accelerator.device)  # the device this run's processes train on
 
         # --- target (frozen) ------------------------------------------------------------------
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.target_dtype]
+        target_dtype = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[target_dtype]
         target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
         target = run.place_target(target.requires_grad_(False).eval())  # sharded under FSDP
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
@@ -279,6 +282,9 @@ def train(cfg: EagleTrainConfig) -> int:
             pin_memory=run.pin_memory,
         )
 
+        # Validation like evaluation: val_data's records, when given, choose best/.
+        held_src, held_loader = val_data_source(cfg, tokenizer, target, train_layers, say)
+
         # --- drafter --------------------------------------------------------------------------
         d2t = t2d = None
         vocab_note = {}
@@ -321,6 +327,8 @@ def train(cfg: EagleTrainConfig) -> int:
         # --- optimizer, schedule, prepare, resume ---------------------------------------------
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         drafter, optimizer, loader, val_loader = run.prepare(drafter, optimizer, loader, val_loader)
+        if held_loader is not None:
+            held_loader = run.prepare(held_loader)  # each process validates its share
         params = [p for p in drafter.parameters() if p.requires_grad]  # FSDP swaps in shards
         total = total_steps(cfg.max_steps, cfg.epochs, len(loader), cfg.grad_accum)
         # Stepped here once per optimizer step, not prepared: accelerate's wrapper steps it
@@ -340,8 +348,28 @@ def train(cfg: EagleTrainConfig) -> int:
                 drafter, batch, lm_head, steps=cfg.ttt_steps, decay=cfg.ttt_decay
             )
 
+        def measure(val_loader, source, prefix: str) -> tuple[dict[str, float], float]:
+            """Mean loss and per-step top-1 accuracy over one validation set (all processes)."""
+            sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end
+            with torch.no_grad():
+                for batch in val_loader:
+                    _, metrics = loss_fn(source.complete(batch, accelerator.device))
+                    for key, value in metrics.items():
+                        sums[key] = sums.get(key, 0.0) + value.float()
+            totals = torch.stack(list(sums.values())).tolist() if sums else []
+            n = max(len(val_loader), 1)
+            val = {f"{prefix}/{k}": v / n for k, v in zip(sums, totals, strict=True)}
+            val = mean_over_processes(accelerator, val)
+            accs = (
+                [val[f"{prefix}/acc"]]
+                if cfg.version == 1
+                else [val[f"{prefix}/acc_{j}"] for j in range(cfg.ttt_steps)]
+            )
+            return val, simulated_tau(accs)
+
         def validate() -> tuple[dict[str, float], float]:
-            """Mean loss and per-step top-1 accuracy over the validation rows (all processes)."""
+            """The validation figures and the simulated τ that chooses ``best/``: val_data's
+            when set (the split's then logged as ``val_split/*``), else the split's."""
             model = accelerator.unwrap_model(drafter)
             bad = non_finite_parameters(model)
             if bad:
@@ -349,24 +377,13 @@ def train(cfg: EagleTrainConfig) -> int:
                     f"validation at step {step}: drafter parameter {bad[0]} is not finite"
                 )
             drafter.eval()
-            sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end
-            with torch.no_grad():
-                for batch in val_loader:
-                    _, metrics = loss_fn(src.complete(batch, accelerator.device))
-                    for key, value in metrics.items():
-                        sums[key] = sums.get(key, 0.0) + value.float()
-            drafter.train()
-            totals = torch.stack(list(sums.values())).tolist() if sums else []
-            val = {
-                f"val/{k}": v / max(len(val_loader), 1) for k, v in zip(sums, totals, strict=True)
-            }
-            val = mean_over_processes(accelerator, val)
-            accs = (
-                [val["val/acc"]]
-                if cfg.version == 1
-                else [val[f"val/acc_{j}"] for j in range(cfg.ttt_steps)]
-            )
-            return val, simulated_tau(accs)
+            try:
+                return held_out_validation(
+                    measure(val_loader, src, "val") if val_idx else None,
+                    measure(held_loader, held_src, "val") if held_loader is not None else None,
+                )
+            finally:
+                drafter.train()
 
         def save_to(path: Path) -> None:
             with run.full_model(drafter) as model:  # FSDP: gathered, collective
@@ -424,7 +441,7 @@ def train(cfg: EagleTrainConfig) -> int:
                     running.zero_()
                     tokens_seen.zero_()
                     running_n, window_start = 0, time.monotonic()
-                if val_idx and run.eval_due(step, total):
+                if (val_idx or held_loader) and run.eval_due(step, total):
                     val, tau = validate()
                     run.record_validation(step, val, tau, save_to)
                     say(
@@ -438,7 +455,9 @@ def train(cfg: EagleTrainConfig) -> int:
         bar.close()
 
         # --- save -----------------------------------------------------------------------------
-        if not run.interrupted and val_idx and not run.validated(step):  # stopped by max_minutes
+        if (
+            not run.interrupted and (val_idx or held_loader) and not run.validated(step)
+        ):  # stopped by max_minutes
             val, tau = validate()
             run.record_validation(step, val, tau, save_to)
         if cfg.save_every or run.interrupted:
@@ -453,6 +472,9 @@ def train(cfg: EagleTrainConfig) -> int:
             "mask_token_id": mask_token_id,
             "train_samples": len(train_set),
             "val_samples": len(val_idx),
+            "val_data": str(cfg.val_data) if cfg.val_data is not None else None,
+            "target_dtype": target_dtype,  # as resolved (auto: by the device's bf16 support)
+            "mixed_precision": cfg.mixed_precision,
             # What the drafter reads (EAGLE-3's fused layers, or the last for EAGLE-1) and what
             # the target had to provide for training (those plus the last layer, for the labels).
             "feature_layers": list(eagle_cfg.feature_layers),

@@ -184,7 +184,7 @@ def test_config_reads_what_its_commands_made(path, made):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(target)
-        answers = data_dir / "smollm2_sd_bf16_greedy128.jsonl"
+        answers = data_dir / "smollm2_sd_greedy128.jsonl"
         records = [json.loads(line) for line in answers.read_text().splitlines()]
         assert {r["source"] for r in records} >= {"magpie", "shipped"}
         # The config's split keeps every answer (data prompts marks each prompt train).

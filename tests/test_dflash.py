@@ -504,3 +504,23 @@ def test_recipe_config_errors_name_every_field(tmp_path, tiny_target_dir, capsys
     assert train_dflash(args) == 2
     err = capsys.readouterr().err
     assert "block_size" in err and "loss_decay_gamma" in err
+
+
+def test_val_data_validates_like_the_evaluation(tmp_path, tiny_target_dir):
+    """val_data: given exactly the held-back training records, its simulated τ equals the
+    split's (same anchors, same batches) and chooses best/; the gap is logged."""
+    from draftsmith.train.core.data import split_indices
+
+    records = [json.loads(line) for line in write_records(tmp_path / "data.jsonl").open()]
+    train_records = [r for r in records if r["id"] % 10 != 9]  # split: train
+    _, val_idx = split_indices(len(train_records), 4, 0)
+    same = tmp_path / "same_as_split.jsonl"
+    same.write_text("".join(json.dumps(train_records[i]) + "\n" for i in val_idx))
+    assert train_dflash(base_args(tmp_path, tiny_target_dir, val_data=same)) == 0
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert metrics["val_data"] == str(same) and [v["step"] for v in metrics["validation"]] == [2, 4]
+    for v in metrics["validation"]:
+        assert v["val/sim_tau"] == pytest.approx(v["val_split/sim_tau"], abs=1e-5)
+        assert v["val/sim_tau_gap"] == pytest.approx(0.0, abs=1e-5)
+    best = max(metrics["validation"], key=lambda v: v["val/sim_tau"])
+    assert metrics["best"]["sim_tau"] == pytest.approx(best["val/sim_tau"])

@@ -144,6 +144,37 @@ def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
     assert str(tiny_target_dir) in card and f"{after['expected_acceptance']:.4f}" in card
 
 
+def test_val_data_validates_like_the_evaluation(tmp_path, tiny_target_dir):
+    """val_data: given exactly the held-back training records, its simulated τ equals the
+    split's and chooses best/; the split's figures are logged as val_split/* with the gap."""
+    from draftsmith.train.core.data import split_indices
+
+    records = [json.loads(line) for line in write_chat(tmp_path / "chat.jsonl").open()]
+    train_records = [r for r in records if r["id"] % 10 != 9]  # split: train
+    _, val_idx = split_indices(len(train_records), 4, 3)  # base_args: --seed 3
+    same = tmp_path / "same_as_split.jsonl"
+    same.write_text("".join(json.dumps(train_records[i]) + "\n" for i in val_idx))
+    argv = base_args(
+        tmp_path,
+        tiny_target_dir,
+        "run",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--val-data",
+        str(same),
+    )
+    assert main(argv) == 0
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert [v["step"] for v in metrics["validation"]] == [2, 4]
+    for v in metrics["validation"]:
+        assert v["val/sim_tau"] == pytest.approx(v["val_split/sim_tau"], abs=1e-6)
+        assert v["val/greedy_agreement"] == pytest.approx(v["val_split/greedy_agreement"])
+        assert v["val/sim_tau_gap"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["final_validation"]["sim_tau_gap"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_resume_continues_exactly_where_it_paused(tmp_path):
     from transformers import AutoModelForCausalLM
 

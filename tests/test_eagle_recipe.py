@@ -200,3 +200,53 @@ def test_bf16_target_and_autocast_train_an_fp32_drafter(tmp_path, tiny_target_di
     target, _ = load_target(tiny_target_dir)
     drafter = load_drafter(run / "drafter", target)
     assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in drafter.parameters())
+
+
+def test_val_data_validates_like_the_evaluation_and_chooses_best(tmp_path, tiny_target_dir):
+    """val_data: its simulated τ is val/sim_tau and chooses best/; the held-back training
+    records are logged as val_split/* with the gap. Given exactly the held-back records as
+    val_data, both figures agree: the held-out path computes what the split path does."""
+    from draftsmith.train.core.data import split_indices
+
+    records = [json.loads(line) for line in write_records(tmp_path / "data.jsonl").open()]
+    train_records = [r for r in records if r["id"] % 10 != 9]  # split: train
+    _, val_idx = split_indices(len(train_records), 4, 0)
+    same = tmp_path / "same_as_split.jsonl"
+    same.write_text("".join(json.dumps(train_records[i]) + "\n" for i in val_idx))
+    args = base_args(tmp_path, tiny_target_dir, 3, val_data=same, max_steps=6)
+    assert train_eagle(args) == 0
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert metrics["val_data"] == str(same)
+    for v in metrics["validation"]:
+        assert v["val/sim_tau"] == pytest.approx(v["val_split/sim_tau"], abs=1e-5)
+        assert v["val/acc_0"] == pytest.approx(v["val_split/acc_0"], abs=1e-5)
+        assert v["val/sim_tau_gap"] == pytest.approx(0.0, abs=1e-5)
+
+    # Other records: the figures differ, the gap is split τ / held-out τ - 1, and best/ is the
+    # step of the highest held-out τ.
+    other = tmp_path / "other.jsonl"
+    with open(other, "w") as f:
+        for i in range(5):
+            answer = " ".join(reversed(WORDS[i : i + 10]))
+            f.write(json.dumps({"instruction": f"reverse {i}", "output": answer}) + "\n")
+    args = base_args(
+        tmp_path, tiny_target_dir, 3, val_data=other, output_dir=tmp_path / "run2", max_steps=6
+    )
+    assert train_eagle(args) == 0
+    metrics = json.loads((tmp_path / "run2" / "training_metrics.json").read_text())
+    vals = metrics["validation"]
+    assert [v["step"] for v in vals] == [3, 6]
+    for v in vals:
+        assert v["val/sim_tau_gap"] == pytest.approx(
+            v["val_split/sim_tau"] / v["val/sim_tau"] - 1, abs=1e-6
+        )
+    assert any(v["val/sim_tau"] != pytest.approx(v["val_split/sim_tau"]) for v in vals)
+    best = max(vals, key=lambda v: v["val/sim_tau"])
+    assert metrics["best"] == {"step": best["step"], "sim_tau": best["val/sim_tau"]}
+
+
+def test_missing_val_data_is_named(tmp_path, tiny_target_dir, capsys):
+    args = base_args(tmp_path, tiny_target_dir, 3, val_data=tmp_path / "nope.jsonl")
+    assert train_eagle(args) == 2
+    err = capsys.readouterr().err
+    assert "val_data:" in err and "nope.jsonl" in err and "draftsmith data distill" in err

@@ -19,6 +19,8 @@ For a given seed and device the draws are reproducible; CPU and CUDA draw differ
 
 from __future__ import annotations
 
+import functools
+import platform
 import re
 import time
 from typing import Any
@@ -29,11 +31,14 @@ from .errors import UsageError
 
 __all__ = [
     "DEVICE_HELP",
+    "DTYPE_AUTO_HELP",
     "DeviceTimer",
+    "auto_dtype",
     "device_facts",
     "device_problem",
     "is_cpu",
     "make_generator",
+    "native_bf16",
     "resolve_device",
     "synchronize",
 ]
@@ -129,6 +134,82 @@ def device_facts(device: torch.device | str) -> dict[str, Any]:
             cuda_version=torch.version.cuda,
         )
     return facts
+
+
+DTYPE_AUTO_HELP = (
+    "auto: bf16 where the device computes it natively (CUDA GPUs with bf16, CPUs with "
+    "AVX512-BF16 or AMX, Arm CPUs with BF16), fp32 elsewhere: on a CPU without them (AVX2 "
+    "only) bf16 is emulated, ~7x slower than fp32"
+)
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo`` on Linux; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def _cpu_native_bf16() -> bool:
+    # torch's own dispatch checks first (x86: the AVX512-BF16 and AMX kernels it would pick).
+    cpu = getattr(torch, "cpu", None)
+    for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(cpu, check, None)
+        if fn is not None and fn():
+            return True
+    flags = _cpu_flags()
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return "bf16" in flags  # Armv8.6 BF16 (Graviton3, Neoverse V1/N2)
+    return bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+def native_bf16(device: torch.device | str) -> bool:
+    """Whether ``device`` runs bf16 matmuls natively, so that they beat fp32.
+
+    Measured on a 2-core AMD EPYC with AVX2 only (no AVX512-BF16), torch 2.13, one thread
+    (``scripts/bench_dtype.py``, ``bench/dtype_cpu_avx2.json``): bf16 takes 7.3x fp32's time on a
+    ``[64, 576] x [576, 1536]`` linear, 7.6x on SmolLM2's forward over 8 x 128 tokens and 5.2x
+    on a 64-sequence decode step; on the Zen 4 machines with AVX512-BF16 bf16 is the faster one
+    (docs/performance.md).
+
+    Args:
+        device: a resolved device (``cpu``, ``cuda``, ``cuda:N``).
+
+    Returns:
+        CUDA: whether the GPU supports bf16 without emulation. CPU: whether it has AVX512-BF16
+        or AMX (x86) or BF16 (Arm). Any other device: False.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return _cpu_native_bf16()
+    return False
+
+
+def auto_dtype(value: str, device: torch.device | str, *, fast: str, slow: str) -> str:
+    """Resolve a dtype setting that may be ``auto``, in the spelling of the field that holds it.
+
+    Args:
+        value: the setting (``auto`` or an explicit dtype name, returned as it is).
+        device: where the model runs.
+        fast: the field's name for bf16 (``bfloat16``, ``bf16``).
+        slow: its name for the fallback (``float32``, ``fp32``, or ``no`` for autocast).
+
+    Returns:
+        ``value`` unless it is ``auto``; then ``fast`` where :func:`native_bf16`, else ``slow``.
+    """
+    if value != "auto":
+        return value
+    return fast if native_bf16(device) else slow
 
 
 def synchronize(device: torch.device | str | None) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import cfg_field
-from ..device import DEVICE_HELP, device_problem
+from ..device import DEVICE_HELP, DTYPE_AUTO_HELP, device_problem
 
 # Why fp16 autocast is refused: its loss scaling skips every step whose scaled gradients
 # overflow, which the run's non-finite check would report as a fault and stop on.
@@ -46,8 +46,9 @@ class TrainConfig:
     mixed_precision: str = cfg_field(
         "no",
         help="no, or bf16: autocast of the trained model's forward and backward, fp32 master "
-        "weights (accelerate; on CUDA and on the CPU). fp16 is refused (loss scaling)",
-        choices=["no", "bf16", "fp16"],
+        "weights (accelerate; on CUDA and on the CPU). fp16 is refused (loss scaling). "
+        + DTYPE_AUTO_HELP.replace("fp32 elsewhere", "no elsewhere"),
+        choices=["auto", "no", "bf16", "fp16"],
     )
     seed: int = cfg_field(0, help="random seed (split, data order, initialisation)")
     on_nonfinite: str = cfg_field(
@@ -59,6 +60,14 @@ class TrainConfig:
     # --- data ---
     val_samples: int = cfg_field(
         32, help="training records held back for validation (0 = none)", ge=0
+    )
+    val_data: Path | None = cfg_field(
+        None,
+        help="validation records like the evaluation's: the target's answers to held-out "
+        "prompts of the kind you will serve (`draftsmith data distill` of them; every record "
+        "is used). Simulated τ on them chooses best/ and is val/sim_tau; the val_samples "
+        "training records are validated too, as val_split/*, and val/sim_tau_gap says how much "
+        "they overstate it. None: validate on the val_samples records",
     )
     min_train_samples: int = cfg_field(
         8, help="refuse to train on fewer samples than this (see allow_little_data)", ge=1

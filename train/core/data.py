@@ -42,6 +42,11 @@ def _make_hint(field: str, path: Path) -> str:
             "make it with `draftsmith data distill --input PROMPTS --output ANSWERS.jsonl` "
             f"then `draftsmith data tokenize --input ANSWERS.jsonl --output {shown}`"
         )
+    if field == "val_data":
+        return (
+            "make it with `draftsmith data distill --input HELD_OUT_PROMPTS --split all "
+            f"--output {shown}`"
+        )
     if field == "hidden_states_cache":
         return (
             f"make it with `draftsmith data cache --data TOKENIZED --out {shown}` on the "

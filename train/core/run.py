@@ -57,7 +57,7 @@ import torch
 
 from .. import safety
 from ..config import config_to_dict, dump_config
-from ..device import is_cpu, resolve_device
+from ..device import auto_dtype, is_cpu, resolve_device
 from ..errors import RunError, UsageError
 from ..runinfo import finite_json
 from . import checkpoint as ckpt
@@ -123,7 +123,7 @@ class TrainRun:
 
         # Missing inputs first: one line saying what makes them, before any process group,
         # lock or output directory exists.
-        check_inputs(cfg.input_paths())
+        check_inputs({**cfg.input_paths(), "val_data": cfg.val_data})
         self.started = time.monotonic()
         self.cfg = cfg
         self.recipe, self.kind = recipe, kind
@@ -143,6 +143,9 @@ class TrainRun:
         # On a GPU, batches are copied from pinned memory without waiting for the device
         # (recipes build their loaders with pin_memory=run.pin_memory).
         self.pin_memory = state.device.type == "cuda"
+        # auto: bf16 autocast only where bf16 is native (an AVX2-only CPU emulates it, ~7x
+        # slower than fp32); resolved once, so the dumped config says what ran.
+        cfg.mixed_precision = auto_dtype(cfg.mixed_precision, state.device, fast="bf16", slow="no")
         self.accelerator = Accelerator(
             cpu=on_cpu,
             gradient_accumulation_steps=cfg.grad_accum,
@@ -639,6 +642,41 @@ class TrainRun:
         }
 
 
+def held_out_validation(
+    split: tuple[dict[str, float], float] | None,
+    held: tuple[dict[str, float], float] | None,
+) -> tuple[dict[str, float], float]:
+    """One validation's figures from the held-back training records and from ``val_data``.
+
+    The simulated τ that chooses ``best/`` is ``val_data``'s when the run has it: records like
+    the evaluation's predict its τ, while training records from the training prompts' own
+    distribution overstate it (issue 26: 1.64 against an evaluated 1.31). The split's figures
+    are kept under ``val_split/`` with ``val/sim_tau_gap`` = split τ / held-out τ - 1.
+
+    Args:
+        split: ``(metrics keyed "val/...", sim τ)`` of the held-back training records, or None
+            (``val_samples: 0``).
+        held: the same for ``val_data``'s records, or None (no ``val_data``).
+
+    Returns:
+        ``(metrics, sim τ)``; at least one of the two must be given.
+    """
+    if held is None:
+        if split is None:
+            raise ValueError("nothing was validated: no val_samples records and no val_data")
+        return split
+    metrics, tau = held
+    if split is not None:
+        split_metrics, split_tau = split
+        metrics = {
+            **metrics,
+            **{f"val_split/{k.split('/', 1)[1]}": v for k, v in split_metrics.items()},
+            "val_split/sim_tau": split_tau,
+            "val/sim_tau_gap": split_tau / tau - 1 if tau else float("nan"),
+        }
+    return metrics, tau
+
+
 def mean_over_processes(accelerator: Any, logs: dict[str, float]) -> dict[str, float]:
     """Average scalar logs over processes (one all-reduce)."""
     if accelerator.num_processes == 1 or not logs:
@@ -700,7 +738,13 @@ def _collective_failed(exc: BaseException) -> bool:
     )
 
 
-__all__ = ["NonFiniteError", "TrainRun", "device_mismatch", "mean_over_processes"]
+__all__ = [
+    "NonFiniteError",
+    "TrainRun",
+    "device_mismatch",
+    "held_out_validation",
+    "mean_over_processes",
+]
 
 
 def _params_to_meta(model: torch.nn.Module) -> None:

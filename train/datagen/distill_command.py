@@ -28,7 +28,14 @@ from ..config import as_list, cfg_field, parse_config
 from ..data.files import DataFileError
 from ..data.prompts import DEFAULT_PROMPTS
 from ..data.records import SHAPES, Conversation, load_records, select_split
-from ..device import DEVICE_HELP, device_problem, is_cpu, resolve_device
+from ..device import (
+    DEVICE_HELP,
+    DTYPE_AUTO_HELP,
+    auto_dtype,
+    device_problem,
+    is_cpu,
+    resolve_device,
+)
 from ..errors import cli_main
 from ..runinfo import output_lock
 from .endpoint import EndpointClient, ServerInfo
@@ -69,7 +76,9 @@ class SelfDistillConfig:
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     dtype: str = cfg_field(
-        "float32", help="weights dtype", choices=["float32", "bfloat16", "float16"]
+        "float32",
+        help="weights dtype (" + DTYPE_AUTO_HELP + ")",
+        choices=["auto", "float32", "bfloat16", "float16"],
     )
     device: str = cfg_field("auto", help=DEVICE_HELP + "; with --endpoint the server decides")
     turns: str = cfg_field(
@@ -214,7 +223,10 @@ def _main_distill(argv: list[str]) -> int:
         if cfg.threads and is_cpu(device):
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_target(
-            cfg.target, cache_dir=cfg.cache_dir, dtype=getattr(torch, cfg.dtype), device=device
+            cfg.target,
+            cache_dir=cfg.cache_dir,
+            dtype=getattr(torch, auto_dtype(cfg.dtype, device, fast="bfloat16", slow="float32")),
+            device=device,
         )
         stats = self_distill(
             model,

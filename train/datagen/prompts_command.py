@@ -23,7 +23,14 @@ from ...heads.sampling import SamplingParams
 from ..config import cfg_field, parse_config
 from ..data.prompts import DEFAULT_PROMPTS
 from ..data.records import SHAPES
-from ..device import DEVICE_HELP, device_problem, is_cpu, resolve_device
+from ..device import (
+    DEVICE_HELP,
+    DTYPE_AUTO_HELP,
+    auto_dtype,
+    device_problem,
+    is_cpu,
+    resolve_device,
+)
 from ..errors import RunError, UsageError, cli_main
 from ..runinfo import output_lock
 from .magpie import (
@@ -69,7 +76,9 @@ class PromptsConfig:
     )
     cache_dir: Path | None = cfg_field(None, help="draftsmith cache root (converted targets)")
     dtype: str = cfg_field(
-        "float32", help="weights dtype", choices=["float32", "bfloat16", "float16"]
+        "float32",
+        help="weights dtype (" + DTYPE_AUTO_HELP + ")",
+        choices=["auto", "float32", "bfloat16", "float16"],
     )
     device: str = cfg_field("auto", help=DEVICE_HELP)
     max_new_tokens: int = cfg_field(96, help="token budget of one prompt", ge=1)
@@ -162,7 +171,10 @@ def _main_prompts(argv: list[str]) -> int:
         if cfg.threads and is_cpu(device):
             torch.set_num_threads(cfg.threads)
         model, tokenizer = load_target(
-            cfg.target, cache_dir=cfg.cache_dir, dtype=getattr(torch, cfg.dtype), device=device
+            cfg.target,
+            cache_dir=cfg.cache_dir,
+            dtype=getattr(torch, auto_dtype(cfg.dtype, device, fast="bfloat16", slow="float32")),
+            device=device,
         )
         stats = make_prompts(
             model,

@@ -27,6 +27,8 @@ from ..core.dist import process_state
 from ..data.tokens import load_token_data
 from ..device import (
     DEVICE_HELP,
+    DTYPE_AUTO_HELP,
+    auto_dtype,
     device_facts,
     device_problem,
     is_cpu,
@@ -65,8 +67,8 @@ class CacheConfig:
     dtype: str = cfg_field("bf16", help="storage dtype", choices=list(DTYPES))
     target_dtype: str = cfg_field(
         "auto",
-        help="dtype the target computes in (auto: fp32 on CPU, bf16 on GPU; with --backend "
-        "vllm: vLLM's choice)",
+        help="dtype the target computes in (" + DTYPE_AUTO_HELP + "; with --backend vllm: "
+        "vLLM's choice)",
         choices=["auto", *DTYPES],
     )
     device: str = cfg_field(
@@ -231,10 +233,7 @@ def run_cache(cfg: CacheConfig) -> dict[str, Any]:
         data = data.select(range(min(cfg.limit, len(data))))
     if cfg.threads and is_cpu(device):
         torch.set_num_threads(cfg.threads)
-    if cfg.target_dtype == "auto":
-        compute = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        compute = DTYPES[cfg.target_dtype]
+    compute = DTYPES[auto_dtype(cfg.target_dtype, device, fast="bf16", slow="fp32")]
     with contextlib.ExitStack() as stack:
         if cfg.backend == "vllm":
             model, tokenizer = stack.enter_context(_vllm_target(cfg, data, state))

@@ -50,6 +50,7 @@ __all__ = [
     "scan_token_data",
     "target_fingerprint",
     "target_weights_hash",
+    "val_data_source",
 ]
 
 # What the weights hash reads of each weight file: name, size, safetensors header and this many
@@ -414,6 +415,46 @@ def feature_source(
         ds.verify(**{**dict(expect or {}), "layers": list(layers)})
         return FeatureSource("offline", ds, collate, list(layers), None, dtype)
     raise ValueError(f"hidden_states must be 'online' or 'offline', got {mode!r}")
+
+
+def val_data_source(
+    cfg: Any, tokenizer: Any, target: Any, layers: Sequence[int], say: Any
+) -> tuple[Any, Any]:
+    """``val_data``'s records as a validation feature source and its (unprepared) loader.
+
+    Validation like evaluation: a few dozen records of the evaluation's kind, their features
+    computed by the target when validating (online, whatever the training's ``hidden_states``),
+    cast to fp32 like the offline cache's so both paths score the same values.
+
+    Args:
+        cfg: the run's config (``val_data``, ``max_length``, ``batch_size``).
+        tokenizer: the target's tokenizer.
+        target: the frozen target.
+        layers: the feature layers the drafter trains on.
+        say: prints a line on the main process.
+
+    Returns:
+        ``(FeatureSource, DataLoader)``, or ``(None, None)`` without ``val_data``.
+    """
+    if cfg.val_data is None:
+        return None, None
+    from ..core.data import load_samples  # the training data's own reader
+
+    held, summary = load_samples(cfg.val_data, tokenizer, max_length=cfg.max_length, split=None)
+    say(f"validation data: {summary or f'{len(held)} tokenized samples'}")
+    src = feature_source(
+        "online",
+        layers=layers,
+        data=held,
+        target=target,
+        max_length=cfg.max_length,
+        dtype=torch.float32,
+        pad_token_id=0,
+    )
+    loader = torch.utils.data.DataLoader(
+        src.dataset, batch_size=cfg.batch_size, collate_fn=src.collate
+    )
+    return src, loader
 
 
 def _to_device(batch: dict[str, Any], device: str | torch.device | None) -> dict[str, Any]:
