@@ -6,32 +6,47 @@ Launch::
     draftsmith quickstart --budget-minutes 120 --prompts my_prompts.jsonl
     draftsmith quickstart --target path/to/hf_model_dir --out-dir runs/qs_mine
 
-Eight stages, each one existing command called through the CLI dispatch (so the command a stage
+Nine stages, each one existing command called through the CLI dispatch (so the command a stage
 prints is exactly what reruns it alone), each writing its own path under ``--out-dir``::
 
-    [1/8] prepare target      draftsmith prepare-target              (cached target directory)
-    [2/8] training prompts    draftsmith data prompts                data/prompts.jsonl
-    [3/8] self-distil         draftsmith data distill                data/answers.jsonl
-    [4/8] tokenize            draftsmith data tokenize               data/tokenized/
-    [5/8] hidden states       draftsmith data cache                  data/cache/
-    [6/8] train EAGLE-3       draftsmith train eagle                 eagle3/ (best/, drafter/)
-    [7/8] evaluate            draftsmith evaluate                    eval.json
-    [8/8] export              draftsmith export --format speculators export/
+    [1/9] prepare target      draftsmith prepare-target              (cached target directory)
+    [2/9] training prompts    draftsmith data prompts                data/prompts.jsonl
+    [3/9] self-distil         draftsmith data distill                data/answers.jsonl
+    [4/9] validation answers  draftsmith data distill                data/val_answers.jsonl
+    [5/9] tokenize            draftsmith data tokenize               data/tokenized/
+    [6/9] hidden states       draftsmith data cache                  data/cache/
+    [7/9] train EAGLE-3       draftsmith train eagle                 eagle3/ (best/, drafter/)
+    [8/9] evaluate            draftsmith evaluate                    eval.json
+    [9/9] export              draftsmith export --format speculators export/
 
 then the summary: the results table, ``plots/``, ``summary.md`` (everything printed, plus the
 ``vllm serve`` command line) and ``quickstart.json`` (stage status, wall time per stage, the
 plan, command, versions, machine).
 
-Prompts: the project's 32 shipped ``train`` prompts and an optional ``--prompts`` file are the
-Magpie seeds, then the target writes the rest (``train/datagen/magpie.py``); the shipped held-out
-prompts are excluded from training and are what the evaluation decodes. Settings are those of
-``recipes/configs/eagle3_smollm2.yaml``, which trains fastest on a CPU: bf16 target, bf16
-autocast, an offline hidden-state cache, 3 TTT steps, lr 6e-4; evaluation in bf16 with plain
-decoding in both dtypes timed alongside.
+Prompts: the training prompts are an optional ``--prompts`` file's, then the ones the target
+writes (Magpie, ``train/datagen/magpie.py``); the shipped held-out prompts are excluded from
+training and are what the evaluation decodes.
+
+**Validation like the evaluation**: the project's 32 shipped ``train`` prompts (the same source
+and kind as the held-out ones) and a slice of ``--prompts`` (``--val-prompts``, by default a tenth
+and at most 32, drawn by ``--seed``) are written to ``data/val_prompts.jsonl``; the target answers
+them apart (``data/val_answers.jsonl``) and they are never trained on: the prompts stage drops
+them and their near-duplicates (``--exclude``). Training validates on them (``--val-data``): their
+simulated τ chooses ``best/``; the held-back training records are still validated, so the summary
+shows both beside the evaluated τ.
+
+Settings are those of ``recipes/configs/eagle3_smollm2.yaml``, which trains fastest on a CPU: the
+target and autocast in the job's dtype (below), an offline hidden-state cache, 3 TTT steps, lr
+6e-4; evaluation in that dtype with plain decoding in both dtypes timed alongside.
+
+**Dtype**: ``--dtype`` (``auto``: bf16 where the device computes it natively, fp32 elsewhere) is
+what the target computes in at every stage: Magpie, distil, the cache's target (its storage stays
+bf16), training's target and autocast (bf16: ``bf16``/``bf16``; fp32: ``fp32``/``no``) and the
+evaluation. It is resolved once, when the plan is made, and recorded in it (``plan.dtype``).
 
 **Device**: ``--device`` (``auto``: the first GPU when there is one, else the CPU) is where every
-stage that runs a model runs: prompts, distil, cache, train, evaluate, export (each gets it as
-its own ``--device``). On a GPU, Magpie and self-distillation decode up to 256 prompts together
+stage that runs a model runs: prompts, both distils, cache, train, evaluate, export (each gets
+it as its own ``--device``). On a GPU, Magpie and self-distillation decode up to 256 prompts together
 instead of 64, as the GPU's memory allows (``batch_size`` in ``plan.probe``).
 
 **Budget** (``draftsmith.train.jobs.budget``): data sizes follow from ``--budget-minutes`` and
@@ -49,19 +64,23 @@ from __future__ import annotations
 if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
     __package__ = "draftsmith.recipes"
 
+import json
 import math
 import os
+import random
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from ..heads import families
 from ..train.config import cfg_field, config_to_dict, parse_config
 from ..train.device import (
     DEVICE_HELP,
+    DTYPE_AUTO_HELP,
+    auto_dtype,
     device_facts,
     device_problem,
     is_cpu,
@@ -71,6 +90,7 @@ from ..train.errors import UsageError, cli_main
 from ..train.jobs import budget
 from ..train.jobs.budget import (
     RATES,
+    REFERENCE_DTYPE,
     STAGE_NAMES,
     Plan,
     Probe,
@@ -95,7 +115,12 @@ from ..train.jobs.stages import (
 from ..train.report.quickstart import vllm_serve_command
 from ..train.report.text import console, minutes
 
-__all__ = ["Quickstart", "QuickstartConfig", "main"]
+if TYPE_CHECKING:
+    from ..train.data.records import Conversation
+
+__all__ = ["Quickstart", "QuickstartConfig", "held_out", "main"]
+
+T = TypeVar("T")
 
 STATE_FILE = "quickstart.json"
 SUMMARY_FILE = "summary.md"  # not README.md: `--out-dir .` must not replace a project's own
@@ -105,6 +130,8 @@ STATE_VERSION = 1
 # Paths under --out-dir, one per stage (and what --overwrite removes; nothing else is touched).
 PROMPTS = "data/prompts.jsonl"
 ANSWERS = "data/answers.jsonl"
+VAL_PROMPTS = "data/val_prompts.jsonl"  # written by the job itself (the validation set)
+VAL_ANSWERS = "data/val_answers.jsonl"
 TOKENIZED = "data/tokenized"
 CACHE = "data/cache"
 #: The family the quickstart trains, and its run directory's name.
@@ -114,7 +141,12 @@ REPORT = "eval.json"
 EXPORT = "export"
 PLOTS = "plots"
 OWNED = (
-    *(f"{p}{s}" for p in (PROMPTS, ANSWERS) for s in ("", ".meta", ".lock", ".lock.pid")),
+    *(
+        f"{p}{s}"
+        for p in (PROMPTS, ANSWERS, VAL_ANSWERS)
+        for s in ("", ".meta", ".lock", ".lock.pid")
+    ),
+    VAL_PROMPTS,
     TOKENIZED,
     CACHE,
     RUN,
@@ -126,12 +158,11 @@ OWNED = (
 )
 
 # The shipped EAGLE-3 recipe settings (recipes/configs/eagle3_smollm2.yaml): the ones that train
-# fastest on this CPU (bench/train_throughput.json) and learn in a short budget.
+# fastest on this CPU (bench/train_throughput.json) and learn in a short budget. Its target_dtype
+# and mixed_precision (bf16, bf16) follow the job's dtype: TRAIN_DTYPES.
 TRAIN_SETTINGS = {
     "version": 3,
     "hidden_states": "offline",
-    "target_dtype": "bf16",
-    "mixed_precision": "bf16",
     "ttt_steps": 3,
     "ttt_decay": 0.8,
     "lr": 6e-4,
@@ -142,6 +173,14 @@ TRAIN_SETTINGS = {
     "max_length": 512,
     "keep_checkpoints": 2,
 }
+#: The job's dtype (resolved ``--dtype``) as each command spells it: the train stage's target and
+#: autocast, and the cache stage's target (its storage dtype stays bf16: half the disk, and the
+#: conversion when training reads it is cheap).
+TRAIN_DTYPES = {
+    "bfloat16": {"target_dtype": "bf16", "mixed_precision": "bf16"},
+    "float32": {"target_dtype": "fp32", "mixed_precision": "no"},
+}
+CACHE_TARGET_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 DRAFT_VOCAB_SIZE = 8192  # the shipped config's: ~97 % of SmolLM2's answer tokens
 MAGPIE_MAX_NEW_TOKENS = 64  # a user message; longer candidates are cut ("unfinished") early
 MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget, not the count
@@ -150,6 +189,10 @@ MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget,
 BATCH_SIZE = 64
 SHARD_MB = 64  # small cache shards: a killed cache build loses at most one shard's work
 MAGPIE_LINE = '"source": "magpie"'  # how a prompt the target wrote is marked in PROMPTS
+#: Your prompts held out for validation by default: a tenth of them, at most this many (as many
+#: as the shipped prompts validated on; a few dozen answers cost about a minute on the CPU).
+USER_VAL_MAX = 32
+USER_VAL_SHARE = 0.1
 
 
 @dataclass
@@ -168,8 +211,16 @@ class QuickstartConfig:
     )
     prompts: Path | None = cfg_field(
         None,
-        help="your prompt file to train on too (JSONL/JSON/parquet; its train split when the "
-        "records carry one), added to the shipped prompts as Magpie seeds",
+        help="your prompt file (JSONL/JSON/parquet; its train split when the records carry "
+        "one): the prompts you will serve. Trained on before Magpie's, except a slice held out "
+        "to validate on (--val-prompts)",
+    )
+    val_prompts: int | None = cfg_field(
+        None,
+        help="of your --prompts, how many are held out of training and validated on, with the "
+        "32 shipped train prompts (drawn by --seed; their simulated τ chooses best/); None: "
+        f"a tenth, at most {USER_VAL_MAX}",
+        ge=0,
     )
     out_dir: Path = cfg_field(Path("runs/quickstart"), help="every stage's output goes here")
     num_prompts: int | None = cfg_field(
@@ -180,8 +231,9 @@ class QuickstartConfig:
     )
     records: int | None = cfg_field(
         None,
-        help="prompts answered and trained on in all (shipped + yours + Magpie, in that order); "
-        "None: from the budget (all of them when --num-prompts is given)",
+        help="prompts answered and trained on in all (yours + Magpie, in that order; the "
+        "validation prompts are answered apart); None: from the budget (all of them when "
+        "--num-prompts is given)",
         ge=1,
     )
     eval_prompts: int | None = cfg_field(
@@ -200,10 +252,11 @@ class QuickstartConfig:
         128, help="answer length: self-distilled answers and evaluated outputs", ge=1
     )
     dtype: str = cfg_field(
-        "bfloat16",
-        help="evaluation dtype of the target and drafter (plain decoding is timed in both): "
-        "bfloat16 pays off on CPUs with AVX512-BF16/AMX and GPUs; float32 elsewhere",
-        choices=["bfloat16", "float32"],
+        "auto",
+        help="what the target computes in at every stage: Magpie, distil, the cache (stored in "
+        "bf16 either way), training's target and autocast, and the evaluation (plain decoding "
+        "is timed in both dtypes); " + DTYPE_AUTO_HELP,
+        choices=["auto", "bfloat16", "float32"],
     )
     train_steps: int | None = cfg_field(
         None, help="optimizer steps; None: the epochs that fit the training time", ge=1
@@ -226,6 +279,39 @@ class QuickstartConfig:
     def validate(self) -> list[tuple[str, str]]:
         problem = device_problem(self.device)
         return [("device", problem)] if problem else []
+
+
+def held_out(prompts: Sequence[T], count: int | None, seed: int) -> tuple[list[T], list[T]]:
+    """Your prompts split into ``(validation, training)``, both in file order.
+
+    Args:
+        prompts: the ``--prompts`` file's training prompts.
+        count: how many to hold out (``--val-prompts``); None: a tenth (rounded down), at most
+            :data:`USER_VAL_MAX`.
+        seed: draws which (``--seed``): the same settings hold out the same prompts.
+
+    Raises:
+        UsageError: ``count`` would leave none to train on.
+    """
+    if count is None:
+        count = min(USER_VAL_MAX, int(USER_VAL_SHARE * len(prompts)))
+    if count and count >= len(prompts):
+        raise UsageError(
+            f"val_prompts: {count} of your {len(prompts)} prompts would leave none to train on"
+        )
+    chosen = set(random.Random(seed).sample(range(len(prompts)), count)) if count else set()
+    validation = [p for i, p in enumerate(prompts) if i in chosen]
+    return validation, [p for i, p in enumerate(prompts) if i not in chosen]
+
+
+def _train_records(path: str | Path) -> list[Conversation]:
+    """A prompt file's records as its prompts are read for training: its ``train`` split when
+    the records carry one, else all (``load_seed_prompts``'s rule)."""
+    from ..train.data.records import load_records, select_split
+    from ..train.datagen.self_distill import resolve_split
+
+    records, _ = load_records(path)
+    return select_split(records, resolve_split(records, "auto")[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,6 +360,10 @@ class Quickstart(StageJob):
         self.target_path: Path | None = None
         self.plan: Plan | None = None
         self.user_seeds = 0
+        # The validation set (_check_inputs): the shipped train prompts and a slice of yours.
+        self.validation: list[dict[str, Any]] = []
+        self.user_val = 0
+        self.val_hash = ""
         # What the plan is sized by; the probe (after the prepare stage) replaces them.
         self.rates: Rates = RATES
         self.batch_size = BATCH_SIZE
@@ -305,9 +395,11 @@ class Quickstart(StageJob):
             self._make_plan(seeds, device)
             for text, style in plan_lines(self.plan, cfg, out)[1:]:
                 self._say(text, style)
+            self._write_validation_prompts()
             builders = [
                 lambda: self._prompts(seeds_hash),
                 self._distill,
+                self._validation,
                 self._tokenize,
                 self._cache,
                 self._train,
@@ -322,22 +414,68 @@ class Quickstart(StageJob):
         return 0
 
     def _check_inputs(self) -> tuple[str, int]:
-        """Read the prompt sources now, so a bad file fails before any model loads."""
+        """Read the prompt sources now, so a bad file fails before any model loads, and choose
+        the validation set: the shipped train prompts and a slice of yours (:func:`held_out`).
+
+        Returns:
+            ``(key of the sources, training prompts from your file)``.
+        """
         from ..train.data.prompts import DEFAULT_PROMPTS
         from ..train.datagen.prompt_sources import load_seed_prompts
 
-        shipped = load_seed_prompts(DEFAULT_PROMPTS, id_prefix="shipped", source="shipped")
+        cfg = self.cfg
+        shipped = _train_records(DEFAULT_PROMPTS)
         digest = file_hash(DEFAULT_PROMPTS)
-        if self.cfg.prompts is not None:
-            if not Path(self.cfg.prompts).exists():
-                raise UsageError(f"prompts: {self.cfg.prompts} does not exist")
-            mine = load_seed_prompts(self.cfg.prompts, id_prefix="input0", source="input")
-            self.user_seeds = len(mine)
-            if not mine:
-                raise UsageError(f"prompts: {self.cfg.prompts} holds no training prompts")
-            path = Path(self.cfg.prompts)
+        mine: list[Conversation] = []
+        if cfg.prompts is not None:
+            if not Path(cfg.prompts).exists():
+                raise UsageError(f"prompts: {cfg.prompts} does not exist")
+            # As the prompts stage reads them (a record without a user message fails here).
+            if not load_seed_prompts(cfg.prompts, id_prefix="input0", source="input"):
+                raise UsageError(f"prompts: {cfg.prompts} holds no training prompts")
+            mine = _train_records(cfg.prompts)
+            path = Path(cfg.prompts)
             digest += ":" + (file_hash(path) if path.is_file() else str(path.resolve()))
-        return digest, len(shipped) + self.user_seeds
+        elif cfg.val_prompts:
+            raise UsageError("val_prompts: holds out some of --prompts; there is no --prompts")
+        if cfg.num_prompts == 0 and not mine:
+            raise UsageError("num_prompts: 0 and no --prompts: nothing to train on")
+        validation, train = held_out(mine, cfg.val_prompts, cfg.seed)
+        # Whole records (a system prompt, earlier turns), as the evaluation decodes its own; ids
+        # are strings, so no id % 10 rule gives them a split.
+        self.validation = [
+            {"id": f"{prefix}-{c.id}", "source": source, "messages": c.messages}
+            for prefix, source, records in (
+                ("shipped", "shipped", shipped),
+                ("input0", f"input:{cfg.prompts}", validation),
+            )
+            for c in records
+        ]
+        self.user_val, self.user_seeds = len(validation), len(train)
+        self.val_hash = hash_parts(self.validation)
+        return digest, self.user_seeds
+
+    def _write_validation_prompts(self) -> None:
+        """Write the validation set (``data/val_prompts.jsonl``, records without a split: the
+        validation stage answers all of them and the prompts stage excludes every user turn of
+        them), and say what it is. An unchanged file is left as it is."""
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.validation)
+        path = self.out / VAL_PROMPTS
+        if not path.is_file() or path.read_text() != text:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        shipped = len(self.validation) - self.user_val
+        yours = ""
+        if self.cfg.prompts is not None:
+            of = self.user_val + self.user_seeds
+            yours = f" + {self.user_val} of your {of} (drawn by --seed {self.cfg.seed})"
+        self._say(
+            f"validation: the {shipped} shipped train prompts{yours}, answered by the target and "
+            f"never trained on; their simulated τ chooses best/ ({relative_path(path)})",
+            "dim",
+        )
 
     # --- the plan -----------------------------------------------------------------------------
 
@@ -345,9 +483,15 @@ class Quickstart(StageJob):
         """Size the job by this machine's rates: the job's earlier probe when it measured the
         same target, device and dtype (the same command then makes the same plan), else a new
         probe (``--no-probe``: the CPU reference rates). A job planned before probes existed
-        keeps its reference rates, so a rerun redoes none of its stages."""
+        keeps its reference rates, so a rerun redoes none of its stages.
+
+        The job's dtype is resolved here, once (``auto``: bf16 where ``device`` computes it
+        natively, else fp32), and kept in the plan (``plan.dtype``), which every stage reads. A
+        rerun resolves it again to the same value on the same machine, so its stages' keys, and
+        its probe's, are unchanged."""
         cfg = self.cfg
-        key = {"target": str(self.target_path), "device": str(device), "dtype": cfg.dtype}
+        dtype = auto_dtype(cfg.dtype, device, fast="bfloat16", slow="float32")
+        key = {"target": str(self.target_path), "device": str(device), "dtype": dtype}
         recorded = self.state.get("plan") or {}
         probe = (
             Probe.from_record(recorded.get("probe")) if recorded.get("probe_key") == key else None
@@ -367,7 +511,8 @@ class Quickstart(StageJob):
                 probe = budget.probe_rates(
                     self.target_path,
                     device,
-                    eval_dtype=_torch_dtype(cfg.dtype),
+                    dtype=_torch_dtype(dtype),
+                    eval_dtype=_torch_dtype(dtype),
                     seq_tokens=TRAIN_SETTINGS["max_length"],
                     ttt_steps=TRAIN_SETTINGS["ttt_steps"],
                     draft_vocab_size=DRAFT_VOCAB_SIZE,
@@ -379,8 +524,21 @@ class Quickstart(StageJob):
             record = probe.record()
         else:
             self.rates, self.batch_size, self.probe_s = RATES, BATCH_SIZE, 0.0
-            record = {"probed": False, "rates": "the 2-core-CPU reference (--no-probe)"}
-        self.plan = make_plan(cfg, seeds, self.rates, probe_s=self.probe_s)
+            record = {
+                "probed": False,
+                "rates": f"the 2-core-CPU reference: {REFERENCE_DTYPE}, AVX512-BF16 (--no-probe)",
+            }
+        # Reference rates in another dtype are used as they are, and the plan says so
+        # (budget.REFERENCE_DTYPE has why they are not scaled).
+        self.plan = make_plan(
+            cfg,
+            seeds,
+            self.rates,
+            probe_s=self.probe_s,
+            dtype=dtype,
+            reference_rates=not record["probed"],
+            validation=len(self.validation),
+        )
         self.state["plan"] = {
             **self.plan.record(cfg.budget_minutes, self.rates),
             "probe": record,
@@ -438,8 +596,11 @@ class Quickstart(StageJob):
         strict = {
             "seed": cfg.seed,
             "sources": seeds_hash,
+            "validation": self.val_hash,  # excluded from the output
             "max_new_tokens": MAGPIE_MAX_NEW_TOKENS,
             "target": cfg.target,
+            # bf16 is left out: the key of a job made when the prompts were always bf16.
+            **({} if plan.dtype == "bfloat16" else {"dtype": plan.dtype}),
         }
 
         def exhausted() -> dict[str, Any] | None:
@@ -472,12 +633,13 @@ class Quickstart(StageJob):
             *flags(
                 output=output,
                 num=plan.magpie,
-                include_shipped=True,
                 input=[cfg.prompts] if cfg.prompts else None,
+                # The validation prompts, and any prompt near-equal to one, are not trained on.
+                exclude=[self.out / VAL_PROMPTS],
                 max_new_tokens=MAGPIE_MAX_NEW_TOKENS,
                 batch_size=self.batch_size,
                 max_attempts=attempts,
-                dtype="bfloat16",
+                dtype=plan.dtype,
                 seed=cfg.seed,
                 **self._common(),
                 **self._runtime(),
@@ -485,7 +647,8 @@ class Quickstart(StageJob):
         ]
         return Stage(
             name="prompts",
-            title=f"training prompts: {plan.seeds} shipped/yours + {plan.magpie} by the target",
+            title=f"training prompts: {f'{plan.seeds} of yours + ' if plan.seeds else ''}"
+            f"{plan.magpie} by the target",
             argv=argv,
             output=output,
             complete=complete,
@@ -501,7 +664,7 @@ class Quickstart(StageJob):
         output = self.out / ANSWERS
         available = count_lines(self.out / PROMPTS)
         answered = min(plan.records or available, available)
-        strict = {"max_new_tokens": cfg.max_new_tokens, "dtype": "bfloat16", "target": cfg.target}
+        strict = {"max_new_tokens": cfg.max_new_tokens, "dtype": plan.dtype, "target": cfg.target}
         argv = [
             "data",
             "distill",
@@ -511,7 +674,7 @@ class Quickstart(StageJob):
                 limit=plan.records,
                 max_new_tokens=cfg.max_new_tokens,
                 batch_size=self.batch_size,
-                dtype="bfloat16",
+                dtype=plan.dtype,
                 **self._common(),
                 **self._runtime(),
             ),
@@ -526,6 +689,45 @@ class Quickstart(StageJob):
             strict=strict,
             restart=("--overwrite",),
             estimate_s=self.rates.distill_s(answered, cfg.max_new_tokens),
+        )
+
+    def _validation(self) -> Stage:
+        """The target's answers to the validation prompts: what training validates on.
+
+        Keyed on its own inputs alone (``chained=False``): it depends on no earlier stage's
+        output, so more training prompts (a larger budget) leave it done."""
+        plan, cfg = self.plan, self.cfg
+        output = self.out / VAL_ANSWERS
+        argv = [
+            "data",
+            "distill",
+            *flags(
+                input=self.out / VAL_PROMPTS,
+                split="all",
+                output=output,
+                max_new_tokens=cfg.max_new_tokens,
+                batch_size=self.batch_size,
+                dtype=plan.dtype,
+                **self._common(),
+                **self._runtime(),
+            ),
+        ]
+        identity = {
+            "prompts": self.val_hash,
+            "max_new_tokens": cfg.max_new_tokens,
+            "dtype": plan.dtype,
+            "target": cfg.target,
+        }
+        return Stage(
+            name="validation",
+            title=f"answer {len(self.validation)} validation prompts (never trained on)",
+            argv=argv,
+            output=output,
+            complete=lambda: output.is_file() and read_meta(output).get("complete") is True,
+            identity=identity,
+            restart=("--overwrite",),
+            estimate_s=plan.estimates["validation"],
+            chained=False,
         )
 
     def _tokenize(self) -> Stage:
@@ -555,8 +757,8 @@ class Quickstart(StageJob):
         output = self.out / CACHE
         settings = {
             "preset": FAMILY.name,
-            "target_dtype": "bf16",
-            "dtype": "bf16",
+            "target_dtype": CACHE_TARGET_DTYPES[self.plan.dtype],
+            "dtype": "bf16",  # storage
             "max_length": TRAIN_SETTINGS["max_length"],
         }
         argv = [
@@ -592,9 +794,17 @@ class Quickstart(StageJob):
         val = min(32, max(2, samples // 10))
         vocab = read_json((self.target_path or Path()) / "config.json").get("vocab_size")
         draft_vocab = min(DRAFT_VOCAB_SIZE, vocab or DRAFT_VOCAB_SIZE)
+        settings = {**TRAIN_SETTINGS, **TRAIN_DTYPES[plan.dtype]}
+        # Validation like the evaluation: the answers to the validation prompts choose best/;
+        # the val_samples held-back training records are validated too (val_split/*).
+        val_records = count_lines(self.out / VAL_ANSWERS)
+        val_tokens = round(
+            val_records * (self.rates.prompt_tokens + self.rates.answer_share * cfg.max_new_tokens)
+        )
         identity = {
-            **TRAIN_SETTINGS,
+            **settings,
             "draft_vocab_size": draft_vocab,
+            "val_data": VAL_ANSWERS,
             "val_samples": val,
             "seed": cfg.seed,
             "train_steps": cfg.train_steps,
@@ -618,6 +828,7 @@ class Quickstart(StageJob):
                 train_steps=cfg.train_steps,
                 speed=speed_factor(tokens, self.state["stages"].get("cache", {}), self.rates),
                 rates=self.rates,
+                val_tokens=val_tokens,
             )
             rec["schedule"] = schedule
         steps = schedule["planned_steps"]
@@ -626,9 +837,10 @@ class Quickstart(StageJob):
             "train",
             "eagle",
             *flags(
-                **TRAIN_SETTINGS,
+                **settings,
                 hidden_states_cache=self.out / CACHE,
                 draft_vocab_size=draft_vocab,
+                val_data=self.out / VAL_ANSWERS,
                 val_samples=val,
                 epochs=None if cfg.train_steps else schedule["epochs"],
                 max_steps=cfg.train_steps,
@@ -645,7 +857,7 @@ class Quickstart(StageJob):
             f"{cfg.train_steps} steps, at most {minutes(remaining)}"
             if cfg.train_steps
             else f"{schedule['epochs']:g} epochs over {samples - val} records"
-        )
+        ) + f", validated on {val_records} held-out prompts"
         return Stage(
             name="train",
             title=f"train EAGLE-3 ({what})",
@@ -667,7 +879,7 @@ class Quickstart(StageJob):
         output = self.out / REPORT
         drafter = self._drafter_dir()
         settings = {
-            "dtype": cfg.dtype,
+            "dtype": plan.dtype,
             "k": cfg.k,
             "max_new_tokens": cfg.max_new_tokens,
             "limit": plan.eval_prompts,
@@ -686,7 +898,7 @@ class Quickstart(StageJob):
         return Stage(
             name="evaluate",
             title=f"evaluate on {plan.eval_prompts} held-out prompts (plain vs EAGLE-3, "
-            f"{cfg.dtype})",
+            f"{plan.dtype})",
             argv=argv,
             output=output,
             complete=lambda: "acceptance_length" in read_json(output),
@@ -727,7 +939,7 @@ class Quickstart(StageJob):
         """Print the results, paths and the serve command; write summary.md and the plots."""
         from ..train.decoding.metrics import results_table
         from ..train.report.plots import write_quickstart_plots
-        from ..train.report.quickstart import summary_lines, summary_markdown
+        from ..train.report.quickstart import summary_lines, summary_markdown, validation_figures
 
         result = read_json(self.out / REPORT)
         training = read_json(self.out / RUN / "training_metrics.json")
@@ -740,12 +952,19 @@ class Quickstart(StageJob):
             stages[s].get("last_seconds", 0.0) for s, r in self.this_run.items() if r == "ran"
         )
         summary = {
+            "dtype": result.get("dtype") or self.plan.dtype,
             "acceptance_length": result.get("acceptance_length"),
             "acceptance_rate_per_position": result.get("acceptance_rate_per_position"),
             "speedup": result.get("speedup"),
             "speedup_vs_fastest_plain": result.get("speedup_vs_fastest_plain"),
             "identical_to_target": result.get("identical_to_target"),
             "identical_rate": result.get("identical_rate"),
+            # The validation that chose the drafter (held-out prompts and training records)
+            # against the evaluated τ.
+            "validation": {
+                **validation_figures(training, result, count_lines(self.out / VAL_ANSWERS)),
+                "of_yours": self.user_val,
+            },
             "drafter": relative_path(self._drafter_dir()),
             "export": relative_path(self.out / EXPORT),
             "report": relative_path(self.out / REPORT),
@@ -779,9 +998,10 @@ def _probe_line(probe: Probe) -> str:
     r = probe.rates
     return (
         f"rates measured on {probe.device.get('gpu_name') or probe.device['device']} in "
-        f"{probe.seconds:.1f} s: generation {r.generate_tokens_per_s:.0f} tok/s (batch "
-        f"{probe.batch_size}), cache {r.cache_tokens_per_s:.0f} tok/s, training "
-        f"{r.train_tokens_per_s:.0f} tok/s, evaluation {r.eval_tokens_per_s:.1f} tok/s per stream"
+        f"{probe.target_dtype}, {probe.seconds:.1f} s: generation "
+        f"{r.generate_tokens_per_s:.0f} tok/s (batch {probe.batch_size}), cache "
+        f"{r.cache_tokens_per_s:.0f} tok/s, training {r.train_tokens_per_s:.0f} tok/s, "
+        f"evaluation {r.eval_tokens_per_s:.1f} tok/s per stream"
     )
 
 

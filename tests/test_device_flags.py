@@ -228,6 +228,7 @@ def test_the_probe_measures_the_device_and_the_plan_uses_its_numbers(files):
 
     probe = probe_rates(files / "target", torch.device("cpu"), eval_dtype=torch.float32)
     assert probe.device["device"] == "cpu" and probe.dtype == "float32"
+    assert probe.target_dtype == "bfloat16"  # the stages' dtype (default), evaluated in fp32
     assert probe.batch_size == 64 and 0 < probe.seconds < 60
     for key, reference in PROBE_REFERENCE.items():
         measured = probe.measured[key]
@@ -254,14 +255,17 @@ def _scaled(factor: float) -> Probe:
 
 def test_quickstart_plans_with_the_probe_once_per_job(files, tmp_path, monkeypatch):
     from draftsmith.recipes.quickstart import Quickstart, QuickstartConfig
+    from draftsmith.train import device as device_module
 
     calls = []
 
     def fake_probe(target, device, **kwargs):
+        assert kwargs["dtype"] == kwargs["eval_dtype"]  # the job's one dtype
         calls.append((Path(target), device, kwargs["eval_dtype"]))
         return _scaled(2.0)
 
     monkeypatch.setattr(budget, "probe_rates", fake_probe)
+    monkeypatch.setattr(device_module, "native_bf16", lambda d: True)  # --dtype auto: bf16
 
     def plan(**settings):
         qs = Quickstart(QuickstartConfig(out_dir=tmp_path, **settings), [])
@@ -319,8 +323,11 @@ def test_a_job_planned_before_probes_keeps_its_plan(files, tmp_path, monkeypatch
     """A quickstart.json written before the probe existed (its plan has rates, no probe): a rerun
     plans with those reference rates again, so none of its finished stages is redone."""
     from draftsmith.recipes.quickstart import Quickstart, QuickstartConfig
+    from draftsmith.train import device as device_module
 
     monkeypatch.setattr(budget, "probe_rates", lambda *a, **k: pytest.fail("probed"))
+    # Such a job ran in bf16: on a machine where --dtype auto resolves to bf16 nothing changes.
+    monkeypatch.setattr(device_module, "native_bf16", lambda d: True)
     cfg = QuickstartConfig(out_dir=tmp_path)
     old = make_plan(cfg, 32)
     state = {"format": "draftsmith-quickstart", "plan": old.record(cfg.budget_minutes)}

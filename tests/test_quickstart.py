@@ -22,9 +22,35 @@ from draftsmith.train.jobs.budget import RATES, make_plan
 from draftsmith.train.report.quickstart import vllm_serve_command
 from tests.conftest import byte_tokenizer, tiny_llama
 
-STAGES = ["prepare", "prompts", "distill", "tokenize", "cache", "train", "evaluate", "export"]
-# float32 evaluation: greedy output must then be the target's own, token for token (in bf16 a
-# verify forward may round a near-tie differently; tests/test_evaluate.py covers that path).
+STAGES = [
+    "prepare",
+    "prompts",
+    "distill",
+    "validation",
+    "tokenize",
+    "cache",
+    "train",
+    "evaluate",
+    "export",
+]
+#: The module job's --prompts file: 12 prompts, so the default slice (a tenth) holds out one.
+MINE = [
+    "Name three colours of the sea at dusk.",
+    "Write a haiku about a lighthouse.",
+    "Explain why bread goes stale.",
+    "List four uses for a paperclip.",
+    "Describe a quiet morning in a small harbour town.",
+    "Suggest a name for a grey kitten.",
+    "What is the difference between weather and climate?",
+    "Give two tips for learning to juggle.",
+    "Summarise the plot of a fairy tale in one sentence.",
+    "Why do onions make people cry?",
+    "Write a limerick about a forgetful robot.",
+    "How do bees find their way home?",
+]
+# float32 in every stage (explicit, so the job is the same on every CPU): greedy evaluation output
+# must then be the target's own, token for token (in bf16 a verify forward may round a near-tie
+# differently; tests/test_evaluate.py covers that path).
 SMALL = [
     "--num-prompts",
     "3",
@@ -89,12 +115,7 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("quickstart")
     target = writer_target(root / "target")
     mine = root / "mine.jsonl"
-    mine.write_text(
-        json.dumps({"prompt": "Name three colours of the sea at dusk."})
-        + "\n"
-        + json.dumps({"prompt": "Write a haiku about a lighthouse."})
-        + "\n"
-    )
+    mine.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in MINE))
     out = root / "out"
     argv = ["quickstart", "--target", target, "--prompts", mine, "--out-dir", out, *SMALL]
     code, printed = run_job(argv)
@@ -116,28 +137,48 @@ def test_main_job_runs_every_stage(job):
     assert st["versions"]["torch"] and st["machine"]["cpu_count"] >= 1 and st["command"]
     # One device for the job: every stage that runs a model was given it, and the plan was sized
     # by rates the probe measured there on the target (the tiny one: far faster than SmolLM2).
-    for name in ("prompts", "distill", "cache", "train", "evaluate", "export"):
+    for name in ("prompts", "distill", "validation", "cache", "train", "evaluate", "export"):
         assert " --device cpu" in st["stages"][name]["command"], name
     assert st["device"]["device"] == "cpu"
     probe = st["plan"]["probe"]
     assert probe["probed"] is True and probe["device"]["device"] == "cpu"
-    assert probe["dtype"] == "float32" and probe["batch_size"] == 64
+    assert probe["dtype"] == probe["target_dtype"] == "float32" and probe["batch_size"] == 64
+    assert st["plan"]["dtype"] == "float32" and "plan (float32):" in job.printed
     assert st["plan"]["rates"] == probe["rates"]
     assert probe["rates"]["cache_tokens_per_s"] > 10 * RATES.cache_tokens_per_s
     assert "rates measured on cpu" in job.printed
 
-    # Prompts: the shipped train split, the user's file, then prompts the target wrote.
+    # Training prompts: the user's file less its validation slice, then prompts the target wrote.
     prompts = [json.loads(x) for x in (out / "data/prompts.jsonl").read_text().splitlines()]
     sources = [p["source"] for p in prompts]
-    assert (
-        sources.count("shipped") == 32
-        and sources[32:34] == ["input:" + str(job.root / "mine.jsonl")] * 2
-    )
-    assert sources[34:] == ["magpie"] * 3
-    answers = (out / "data/answers.jsonl").read_text().splitlines()
-    assert len(answers) == 37
+    assert sources == ["input:" + str(job.root / "mine.jsonl")] * 11 + ["magpie"] * 3
+    answers = [json.loads(x) for x in (out / "data/answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 14
     held_out = {r.messages[-1]["content"] for r in _heldout()}
     assert not held_out & {p["prompt"] for p in prompts}  # never train on held-out prompts
+
+    # Validation like the evaluation: the 32 shipped train prompts (whole records: system
+    # prompts and earlier turns too) and one of the user's 12 (a tenth, drawn by --seed),
+    # answered by the target, in no training record.
+    shipped = [r.messages for r in _heldout("train")]
+    val_records = [json.loads(x) for x in (out / "data/val_prompts.jsonl").read_text().splitlines()]
+    assert len(shipped) == 32 and [r["messages"] for r in val_records[:32]] == shipped
+    assert any(len(m) > 2 for m in shipped)  # a multi-turn record is validated as it is
+    assert len(val_records) == 33 and val_records[32]["messages"][0]["content"] in MINE
+    val_answers = [json.loads(x) for x in (out / "data/val_answers.jsonl").read_text().splitlines()]
+    assert sorted(a["id"] for a in val_answers) == sorted(r["id"] for r in val_records)
+    assert all(a["messages"][-1]["role"] == "assistant" for a in val_answers)
+
+    def user_turns(records):  # of prompt records (training) or messages records (validation)
+        turns = [r.get("messages") or [{"role": "user", "content": r["prompt"]}] for r in records]
+        return {m["content"] for t in turns for m in t if m["role"] == "user"}
+
+    validated = user_turns(val_records)
+    assert len(user_turns(answers)) == 14 and not user_turns(answers) & validated
+    assert not {p["prompt"] for p in prompts} & validated
+    assert "validation: the 32 shipped train prompts + 1 of your 12 (drawn by --seed 0)" in (
+        job.printed
+    )
     for path in (
         "data/tokenized/dataset_info.json",
         "data/cache/manifest.json",
@@ -151,7 +192,20 @@ def test_main_job_runs_every_stage(job):
         assert (out / path).is_file(), path
     metrics = json.loads((out / "eagle3/training_metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["config"]["hidden_states"] == "offline"
-    assert metrics["config"]["mixed_precision"] == "bf16" and metrics["config"]["ttt_steps"] == 3
+    assert metrics["config"]["ttt_steps"] == 3
+    # The train stage validates on the answers to the validation prompts (they choose best/) and
+    # on held-back training records (val_split/*, and the gap between the two).
+    assert value(shlex.split(st["stages"]["train"]["command"]), "--val-data") == str(
+        out / "data/val_answers.jsonl"
+    )
+    assert metrics["val_data"] == str(out / "data/val_answers.jsonl")
+    assert {"val/sim_tau", "val_split/sim_tau", "val/sim_tau_gap"} <= set(metrics["validation"][0])
+    # --dtype float32: the target in fp32 and no autocast; the cache stored in bf16 all the same.
+    assert metrics["config"]["target_dtype"] == "fp32"
+    assert metrics["config"]["mixed_precision"] == "no"
+    assert " --target-dtype fp32 --dtype bf16 " in st["stages"]["cache"]["command"]
+    for name in ("prompts", "distill", "evaluate"):
+        assert " --dtype float32" in st["stages"][name]["command"], name
 
     # The evaluation: τ >= 1, lossless (bf16: any difference is a near-tie), on held-out prompts.
     res = json.loads((out / "eval.json").read_text())
@@ -178,20 +232,43 @@ def test_main_job_runs_every_stage(job):
         "model": str((out / "export").resolve()),
     }
     for word in (
-        "[1/8] prepare target",
-        "[3/8] self-distil 37 prompts",
-        "[8/8] export",
+        "[1/9] prepare target",
+        "[3/9] self-distil 14 prompts",
+        "[4/9] answer 33 validation prompts",
+        "validated on 33 held-out prompts",
+        "[9/9] export",
         "eval.json",
         "evaluation.png",
         "τ",
     ):
         assert word in job.printed, word
 
+    # The summary: the best validation's simulated τ on the validation prompts and on the
+    # training records, the evaluated τ and the gap, in the console, summary.md and the state.
+    best = next(e for e in metrics["validation"] if e["step"] == metrics["best"]["step"])
+    figures = st["summary"]["validation"]
+    assert figures["step"] == best["step"] and figures["drafter"] == "best"
+    assert figures["sim_tau"] == best["val/sim_tau"] == metrics["best"]["sim_tau"]
+    assert figures["split_sim_tau"] == best["val_split/sim_tau"]
+    assert figures["evaluated_tau"] == res["acceptance_length"] and figures["prompts"] == 33
+    assert figures["gap"] == pytest.approx(best["val/sim_tau"] / res["acceptance_length"] - 1)
+    gap = f"{100 * figures['gap']:+.0f} %"
+    line = (
+        f"validation (best/, step {best['step']}): simulated τ {best['val/sim_tau']:.2f} on the "
+        f"33 held-out validation prompts, {best['val_split/sim_tau']:.2f} on held-back training "
+        f"records; evaluated τ {res['acceptance_length']:.2f}; gap {gap}"
+    )
+    assert line in job.printed
+    md = (out / "summary.md").read_text()
+    assert f"| {best['val/sim_tau']:.2f} |" in md and f"| {best['val_split/sim_tau']:.2f} |" in md
+    assert f"| gap, validation vs evaluated τ | {gap} (training records: " in md
+    assert f"| τ (tokens per target forward) | {res['acceptance_length']:.2f} |" in md
 
-def _heldout():
+
+def _heldout(split="heldout"):
     from draftsmith.train.data.prompts import load_prompts
 
-    return load_prompts(split="heldout")
+    return load_prompts(split=split)
 
 
 def test_rerun_skips_finished_stages(job):
@@ -258,7 +335,7 @@ def test_failing_stage_names_stage_and_command(tmp_path, capsys):
     code = cli(["quickstart", "--target", str(missing), "--out-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 1
-    assert "stage [1/8] prepare target" in err
+    assert "stage [1/9] prepare target" in err
     assert f"draftsmith prepare-target {missing}" in err
     assert state(tmp_path / "out")["stages"]["prepare"]["status"] == "failed"
 
@@ -272,6 +349,15 @@ def test_bad_inputs_fail_before_any_stage(tmp_path, capsys):
     assert not (tmp_path / "out" / STATE_FILE).exists()
     assert cli(["quickstart", "--eval-prompts", "40"]) == 2
     assert "eval_prompts" in capsys.readouterr().err
+    # The validation slice is of your prompts, and leaves some to train on.
+    assert cli(["quickstart", "--val-prompts", "3", "--out-dir", str(tmp_path / "out")]) == 2
+    assert "val_prompts: holds out some of --prompts" in capsys.readouterr().err
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt": "one"}\n{"prompt": "two"}\n')
+    argv = ["quickstart", "--prompts", str(two), "--val-prompts", "2"]
+    assert cli([*argv, "--out-dir", str(tmp_path / "out")]) == 2
+    assert "val_prompts: 2 of your 2 prompts would leave none" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
     # --overwrite deletes only a quickstart's outputs: a directory without its state is refused.
     (tmp_path / "other" / "data").mkdir(parents=True)
     (tmp_path / "other" / "data" / "prompts.jsonl").write_text("mine\n")
@@ -280,25 +366,40 @@ def test_bad_inputs_fail_before_any_stage(tmp_path, capsys):
     assert (tmp_path / "other" / "data" / "prompts.jsonl").read_text() == "mine\n"
 
 
-def test_default_commands_use_the_shipped_fast_settings(tmp_path):
-    """Without flags: bf16 target and autocast, offline cache, 3 TTT steps, bf16 evaluation
-    with plain decoding timed in both dtypes (evaluate's default), answers of 128 tokens."""
+def planned(tmp_path, monkeypatch, native: bool, **settings):
+    """A quickstart planned (``--no-probe``: no model loads) on the CPU, whose bf16 is native or
+    not as ``native`` says (patched where ``auto`` is resolved)."""
     from draftsmith.recipes.quickstart import Quickstart
+    from draftsmith.train import device
 
-    qs = Quickstart(QuickstartConfig(out_dir=tmp_path), [])
+    monkeypatch.setattr(device, "native_bf16", lambda d: native)
+    qs = Quickstart(QuickstartConfig(out_dir=tmp_path, probe=False, **settings), [])
     qs._load_state()
-    qs.plan = make_plan(qs.cfg, seeds=32)
+    qs._make_plan(32, torch.device("cpu"))
+    return qs
 
-    def value(argv, flag):
-        return argv[argv.index(flag) + 1]
+
+def value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+def test_default_commands_use_the_shipped_fast_settings(tmp_path, monkeypatch):
+    """Without flags, where bf16 is native: bf16 target and autocast, offline cache, 3 TTT
+    steps, bf16 evaluation with plain decoding timed in both dtypes (evaluate's default),
+    answers of 128 tokens."""
+    qs = planned(tmp_path, monkeypatch, native=True)
 
     prompts = qs._prompts("x").argv
-    assert "--include-shipped" in prompts and value(prompts, "--num") == str(qs.plan.magpie)
+    assert value(prompts, "--num") == str(qs.plan.magpie)
+    # The shipped train prompts are the validation set: excluded from the training prompts.
+    assert "--include-shipped" not in prompts
+    assert value(prompts, "--exclude") == str(tmp_path / "data/val_prompts.jsonl")
     assert value(prompts, "--dtype") == "bfloat16" and "--target" not in prompts
     distill = qs._distill().argv
     assert value(distill, "--max-new-tokens") == "128" and value(distill, "--dtype") == "bfloat16"
     cache = qs._cache().argv
     assert value(cache, "--target-dtype") == "bf16" and value(cache, "--preset") == "eagle3"
+    assert value(cache, "--dtype") == "bf16"
     train = qs._train().argv
     for flag, want in (
         ("--hidden-states", "offline"),
@@ -310,10 +411,94 @@ def test_default_commands_use_the_shipped_fast_settings(tmp_path):
     ):
         assert value(train, flag) == want, flag
     assert "--epochs" in train and "--max-minutes" in train
+    assert value(train, "--val-data") == str(tmp_path / "data/val_answers.jsonl")
+    validation = qs._validation().argv
+    assert validation[:2] == ["data", "distill"] and value(validation, "--split") == "all"
+    assert value(validation, "--input") == str(tmp_path / "data/val_prompts.jsonl")
+    assert value(validation, "--output") == str(tmp_path / "data/val_answers.jsonl")
+    assert value(validation, "--max-new-tokens") == "128"
     evaluate = qs._evaluate().argv
     assert value(evaluate, "--dtype") == "bfloat16" and value(evaluate, "--k") == "3"
     assert value(evaluate, "--limit") == str(qs.plan.eval_prompts) and "--prompts" not in evaluate
     assert "--no-reference-plain" not in evaluate
+
+
+def stage_dtypes(qs) -> dict[str, tuple[str, ...]]:
+    """The dtype flags of every stage that runs the target."""
+    cache, train = qs._cache().argv, qs._train().argv
+    return {
+        "prompts": (value(qs._prompts("x").argv, "--dtype"),),
+        "distill": (value(qs._distill().argv, "--dtype"),),
+        "validation": (value(qs._validation().argv, "--dtype"),),
+        "cache": (value(cache, "--target-dtype"), value(cache, "--dtype")),
+        "train": (value(train, "--target-dtype"), value(train, "--mixed-precision")),
+        "evaluate": (value(qs._evaluate().argv, "--dtype"),),
+    }
+
+
+FP32 = {
+    "prompts": ("float32",),
+    "distill": ("float32",),
+    "validation": ("float32",),
+    "cache": ("fp32", "bf16"),  # the target in fp32, the cache stored in bf16
+    "train": ("fp32", "no"),
+    "evaluate": ("float32",),
+}
+BF16 = {
+    "prompts": ("bfloat16",),
+    "distill": ("bfloat16",),
+    "validation": ("bfloat16",),
+    "cache": ("bf16", "bf16"),
+    "train": ("bf16", "bf16"),
+    "evaluate": ("bfloat16",),
+}
+
+
+@pytest.mark.parametrize(
+    ("native", "dtype", "want"),
+    [
+        (False, "auto", FP32),  # an AVX2-only CPU: bf16 is emulated, ~7x slower than fp32
+        (True, "auto", BF16),  # AVX512-BF16/AMX, a GPU
+        (True, "float32", FP32),  # explicit wins over auto
+        (False, "bfloat16", BF16),
+    ],
+)
+def test_the_dtype_is_resolved_once_for_every_stage(tmp_path, monkeypatch, native, dtype, want):
+    from draftsmith.train.jobs.budget import plan_lines
+
+    qs = planned(tmp_path, monkeypatch, native, dtype=dtype)
+    resolved = want["evaluate"][0]
+    assert qs.plan.dtype == resolved and stage_dtypes(qs) == want
+    assert json.loads((tmp_path / STATE_FILE).read_text())["plan"]["dtype"] == resolved
+    lines = [text for text, _ in plan_lines(qs.plan, qs.cfg, "out")]
+    shown = f"{resolved} by auto" if dtype == "auto" else resolved
+    assert lines[1].startswith(f"plan ({shown}): ")
+    # --no-probe plans with the bf16 reference rates: an fp32 plan says they are not its own.
+    assert any("none were measured in float32" in x for x in lines) == (resolved == "float32")
+
+
+def test_auto_keys_the_stages_as_the_dtype_it_resolves_to(tmp_path, monkeypatch):
+    """A rerun where auto resolves as before changes no stage's settings (nothing reruns); they
+    are those of the explicit dtype, and in bf16 those of the jobs made when bf16 was fixed."""
+
+    def identities(qs):
+        stages = [
+            qs._prompts("x"),
+            qs._distill(),
+            qs._validation(),
+            qs._cache(),
+            qs._train(),
+            qs._evaluate(),
+        ]
+        return [(s.identity, s.strict, s.argv) for s in stages]
+
+    for native, explicit in ((False, "float32"), (True, "bfloat16")):
+        auto = identities(planned(tmp_path, monkeypatch, native))
+        assert auto == identities(planned(tmp_path, monkeypatch, native))  # the rerun
+        assert auto == identities(planned(tmp_path, monkeypatch, not native, dtype=explicit))
+    # bf16: the Magpie stage's key leaves the dtype out, as before it was a setting.
+    assert "dtype" not in planned(tmp_path, monkeypatch, True)._prompts("x").strict
+    assert planned(tmp_path, monkeypatch, False)._prompts("x").strict["dtype"] == "float32"
 
 
 def test_help_shows_an_example(capsys):
@@ -326,12 +511,15 @@ def test_help_shows_an_example(capsys):
 
 def test_default_plan_fits_the_budget():
     for minutes in (10, 30, 120):
-        plan = make_plan(QuickstartConfig(budget_minutes=minutes), seeds=32)
+        plan = make_plan(QuickstartConfig(budget_minutes=minutes), seeds=0, validation=32)
         assert plan.total_s <= 60 * minutes
         assert 4 <= plan.eval_prompts <= 16
-    plan = make_plan(QuickstartConfig(), seeds=32)
+    plan = make_plan(QuickstartConfig(), seeds=0, validation=32)
     assert 250 <= plan.records <= 400  # ~300 prompts × 128 tokens distil in ~7 min
     assert plan.estimates["train"] >= 5 * 60 and plan.estimates["distill"] <= 9 * 60
+    # The validation answers (32 shipped prompts, ~45 s) come out of the data's share.
+    assert plan.validation == 32 and 30 <= plan.estimates["validation"] <= 60
+    assert plan.records < make_plan(QuickstartConfig(), seeds=0).records
 
 
 def test_ctrl_c_keeps_the_stage_resumable(tmp_path, capsys, job):
@@ -382,9 +570,134 @@ def test_the_stages_run_through_the_dispatch_the_cli_hands_in(tmp_path, capsys, 
     assert not (tmp_path / "other").exists()
 
 
+def test_the_validation_slice_of_your_prompts_is_seeded_and_stated():
+    from draftsmith.recipes.quickstart import held_out
+    from draftsmith.train.errors import UsageError
+
+    prompts = list(range(50))
+    val, train = held_out(prompts, None, seed=0)
+    assert len(val) == 5 and sorted(val + train) == prompts  # a tenth, none lost
+    assert val == sorted(val) and train == sorted(train)  # file order
+    assert held_out(prompts, None, seed=0) == (val, train)  # the same settings, the same slice
+    assert held_out(prompts, None, seed=1)[0] != val
+    assert len(held_out(list(range(1000)), None, seed=0)[0]) == 32  # at most 32
+    assert held_out(prompts[:9], None, seed=0) == ([], prompts[:9])  # too few: none
+    assert held_out(prompts, 0, seed=0) == ([], prompts)
+    assert len(held_out(prompts, 49, seed=0)[1]) == 1
+    with pytest.raises(UsageError, match="leave none to train on"):
+        held_out(prompts, 50, seed=0)
+
+
+def test_validation_settings_key_the_stages_that_depend_on_them(tmp_path, monkeypatch):
+    """The validation set keys the training prompts (they exclude it) and the validation answers;
+    the answers' key does not chain through the earlier stages: more training prompts leave
+    them done (the module job's last test runs that)."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in MINE))
+
+    from draftsmith.recipes.quickstart import Quickstart
+    from draftsmith.train import device
+
+    monkeypatch.setattr(device, "native_bf16", lambda d: False)  # --dtype auto: float32
+
+    def keys(**settings):
+        qs = Quickstart(
+            QuickstartConfig(out_dir=tmp_path / "out", probe=False, prompts=mine, **settings), []
+        )
+        qs._load_state()
+        _, seeds = qs._check_inputs()
+        qs._make_plan(seeds, torch.device("cpu"))
+        stage = qs._validation()
+        assert stage.chained is False and qs.plan.validation == len(qs.validation)
+        return qs._prompts("x").strict, stage.identity, len(qs.validation)
+
+    base = keys()
+    assert base[2] == 33 and keys() == base
+    for other in ({"val_prompts": 3}, {"seed": 1}):
+        prompts, validation, _ = keys(**other)
+        assert prompts != base[0] and validation != base[1], other
+    # The answers' length and dtype key the validation answers.
+    assert keys(max_new_tokens=64)[1] != base[1] and keys(dtype="bfloat16")[1] != base[1]
+    assert keys(num_prompts=50)[1] == base[1]
+
+
+def test_a_stage_keyed_on_its_own_inputs(tmp_path):
+    """``chained=False``: a change before the stage leaves it done; a change in it reruns it
+    and every later stage."""
+    from rich.console import Console
+
+    from draftsmith.train.jobs.stages import Stage, StageJob
+
+    ran = []
+
+    def run(a, b):
+        job = StageJob(
+            tmp_path,
+            name="job",
+            command="job",
+            call=lambda argv: ran.append(argv[0]) or 0,
+            stage_names=["a", "b", "c"],
+            state_file="state.json",
+            state_format="job",
+            state_version=1,
+            console=Console(file=io.StringIO()),
+        )
+        job._load_state()
+        ran.clear()
+        for i, (name, identity, chained) in enumerate(
+            [("a", a, True), ("b", b, False), ("c", 0, True)], 1
+        ):
+            stage = Stage(
+                name=name,
+                title=name,
+                argv=[name],
+                output=tmp_path,
+                complete=lambda: True,
+                identity={"x": identity},
+                chained=chained,
+            )
+            job.run_stage(i, stage)
+        job._save_state()
+        return list(ran)
+
+    assert run(1, 1) == ["a", "b", "c"]
+    assert run(1, 1) == []
+    assert run(2, 1) == ["a", "c"]  # b depends on nothing before it
+    assert run(2, 2) == ["b", "c"]
+
+
+def test_the_summary_reports_the_best_validation_not_the_last():
+    from draftsmith.train.report.quickstart import validation_figures, validation_line
+
+    entries = [
+        {"step": 4, "val/sim_tau": 1.4, "val_split/sim_tau": 1.8},
+        {"step": 8, "val/sim_tau": 1.3, "val_split/sim_tau": 1.9},
+    ]
+    training = {
+        "validation": entries,
+        "best": {"step": 4, "sim_tau": 1.4},
+        "final_validation": entries[-1],
+        "val_data": "data/val_answers.jsonl",
+    }
+    figures = validation_figures(training, {"acceptance_length": 1.25}, prompts=33)
+    assert figures["step"] == 4 and figures["drafter"] == "best"
+    assert figures["sim_tau"] == 1.4 and figures["split_sim_tau"] == 1.8
+    assert figures["gap"] == pytest.approx(0.12) and figures["split_gap"] == pytest.approx(0.44)
+    line = validation_line(figures)
+    assert "(best/, step 4): simulated τ 1.40 on the 33 held-out" in line
+    assert "evaluated τ 1.25; gap +12 % (training records: +44 %)" in line
+    # No best/ kept: the last validation (drafter/ is what was evaluated).
+    last = validation_figures({**training, "best": None}, {"acceptance_length": 1.25})
+    assert last["step"] == 8 and last["drafter"] == "drafter"
+    # A run without val_data: its val/sim_tau is the training records'.
+    old = validation_figures({"final_validation": {"step": 2, "val/sim_tau": 1.6}}, {})
+    assert old["sim_tau"] is None and old["split_sim_tau"] == 1.6 and old["gap"] is None
+
+
 def test_more_prompts_extend_the_data_and_retrain(job):
     """Runs last (it changes the module's job): a larger --num-prompts extends the prompts and
-    answers already made, then redoes every later stage from scratch."""
+    answers already made, then redoes every later stage from scratch, except the validation
+    answers, which depend on none of them."""
     out = job.out
     prompts_before = (out / "data/prompts.jsonl").read_bytes()
     answers_before = (out / "data/answers.jsonl").read_bytes()
@@ -394,9 +707,9 @@ def test_more_prompts_extend_the_data_and_retrain(job):
     code, printed = run_job(argv)
     assert code == 0, printed
     runs = {name: s["runs"] for name, s in state(out)["stages"].items()}
-    assert {n for n in STAGES if runs[n] != before[n]} == set(STAGES[1:])
+    assert {n for n in STAGES if runs[n] != before[n]} == set(STAGES[1:]) - {"validation"}
     assert (out / "data/prompts.jsonl").read_bytes().startswith(prompts_before)
     assert (out / "data/answers.jsonl").read_bytes().startswith(answers_before)
-    assert len((out / "data/answers.jsonl").read_text().splitlines()) == 39
+    assert len((out / "data/answers.jsonl").read_text().splitlines()) == 16
     metrics = json.loads((out / "eagle3/training_metrics.json").read_text())
     assert metrics["resumed_from"] is None and metrics["steps"] == 4  # trained anew

@@ -13,9 +13,10 @@ steps and a few decoding steps, each timed with :class:`~draftsmith.train.device
 What it measures is not a whole stage (no long prompts, no padding, no data loading), so each
 stage rate is the reference rate scaled by how much faster the probe ran here than on the
 reference machine: ``RATES.x * measured.x / PROBE_REFERENCE.x``. :data:`RATES` (the stage rates)
-and :data:`PROBE_REFERENCE` (the probe's own figures) were both measured on the project's 2-core
-CPU, so there the probe reproduces the reference plan, and on a GPU it scales every rate by what
-the GPU really does.
+and :data:`PROBE_REFERENCE` (the probe's own figures) were both measured in bf16 on the project's
+2-core CPU (AVX512-BF16), so there the probe reproduces the reference plan, and on a GPU it scales
+every rate by what the GPU really does. The probe runs in the job's dtype (``--dtype``, resolved),
+so an fp32 job's rates are the bf16 reference scaled by what fp32 does here.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from ..report.text import minutes
 __all__ = [
     "PROBE_REFERENCE",
     "RATES",
+    "REFERENCE_DTYPE",
     "STAGE_NAMES",
+    "VALIDATIONS",
     "BudgetSettings",
     "Plan",
     "Probe",
@@ -50,13 +53,24 @@ __all__ = [
 ]
 
 #: The quickstart's stages, in job order; the plan estimates each.
-STAGE_NAMES = ("prepare", "prompts", "distill", "tokenize", "cache", "train", "evaluate", "export")
+STAGE_NAMES = (
+    "prepare",
+    "prompts",
+    "distill",
+    "validation",
+    "tokenize",
+    "cache",
+    "train",
+    "evaluate",
+    "export",
+)
 
 
 @dataclass(frozen=True)
 class Rates:
     """Throughputs the plan is sized by. The defaults (:data:`RATES`) are the CPU reference:
-    SmolLM2-135M-Instruct, bf16, a 2-core CPU; :func:`probe_rates` scales them to the machine.
+    SmolLM2-135M-Instruct, bf16, a 2-core CPU with AVX512-BF16; :func:`probe_rates` scales them
+    to the machine and dtype.
 
     Measured on the project's machine (docs/performance.md, docs/data.md) except where noted.
 
@@ -99,8 +113,15 @@ class Rates:
 
 
 RATES = Rates()
-"""The CPU reference: what the stages ran at on the project's 2-core CPU (``--no-probe`` plans
-with these)."""
+"""The CPU reference: what the stages ran at on the project's 2-core CPU, in bf16 (``--no-probe``
+plans with these)."""
+
+#: The dtype :data:`RATES` and :data:`PROBE_REFERENCE` were measured in, on a CPU that computes it
+#: natively (AVX512-BF16). Without a probe there are no fp32 rates to plan with: the reference is
+#: used as it is and the plan says so (:func:`plan_lines`), rather than scaled by an fp32/bf16
+#: ratio that differs per stage and per machine (on the reference machine fp32 generates about as
+#: fast, trains ~1.45x slower, decodes one stream faster; on an AVX2-only CPU bf16 is the slow one).
+REFERENCE_DTYPE = "bfloat16"
 
 #: What :func:`probe_rates` measures on the reference machine (the one :data:`RATES` was measured
 #: on: 2 cores, 2 torch threads, SmolLM2-135M-Instruct, bf16, batch 64), tokens/s of each probe:
@@ -124,6 +145,10 @@ EVAL_SHARE = 0.17
 EVAL_STREAMS = 3
 MIN_RECORDS = 40
 MIN_TRAIN_S = 60.0
+#: Validations a training run makes (every quarter of its steps, and at the end when it stops
+#: between two), each a target forward over the validation records (their features are computed
+#: online): what :func:`train_schedule` leaves time for.
+VALIDATIONS = 5
 
 
 class BudgetSettings(Protocol):
@@ -142,12 +167,18 @@ class Plan:
 
     Attributes:
         budget_s: the budget.
-        seeds: prompts from the shipped set and the user's file.
+        seeds: training prompts from other sources than Magpie (the user's file, less the prompts
+            held out of it for validation).
         records: prompts answered and trained on (``distill --limit``); None = all made.
         magpie: prompts the target writes.
+        validation: validation prompts the target answers apart (never trained on).
         eval_prompts: held-out prompts evaluated.
         estimates: stage name -> estimated seconds (``train`` as planned before the job).
         reserve_s: what the training stage leaves for evaluation and export.
+        dtype: what the target computes in, in every stage (``bfloat16`` or ``float32``;
+            ``--dtype`` resolved).
+        reference_rates: whether the rates are :data:`RATES` as they are (``--no-probe``), not
+            measured on this machine.
     """
 
     budget_s: float
@@ -155,8 +186,11 @@ class Plan:
     records: int | None
     magpie: int
     eval_prompts: int
+    validation: int = 0
     estimates: dict[str, float] = field(default_factory=dict)
     reserve_s: float = 0.0
+    dtype: str = REFERENCE_DTYPE
+    reference_rates: bool = field(default=False, compare=False)  # how it is shown, not its sizes
 
     @property
     def total_s(self) -> float:
@@ -167,9 +201,11 @@ class Plan:
         where the rates came from)."""
         return {
             "budget_minutes": budget_minutes,
+            "dtype": self.dtype,
             "seed_prompts": self.seeds,
             "magpie_prompts": self.magpie,
             "records": self.records,
+            "validation_prompts": self.validation,
             "eval_prompts": self.eval_prompts,
             "estimated_seconds": {k: round(v, 1) for k, v in self.estimates.items()},
             "rates": dataclasses.asdict(rates),
@@ -192,19 +228,31 @@ def _record_costs(max_new_tokens: int, rates: Rates) -> tuple[float, float]:
 
 
 def make_plan(
-    cfg: BudgetSettings, seeds: int, rates: Rates = RATES, *, probe_s: float = 0.0
+    cfg: BudgetSettings,
+    seeds: int,
+    rates: Rates = RATES,
+    *,
+    probe_s: float = 0.0,
+    dtype: str = REFERENCE_DTYPE,
+    reference_rates: bool = False,
+    validation: int = 0,
 ) -> Plan:
     """Split the budget into data sizes and per-stage time estimates.
 
-    Fixed costs (prepare, stage starts, tokenize, export) and the evaluation come first; of the
-    rest, :data:`DATA_SHARE` makes data (Magpie prompts, answers, the cache) and the remainder
-    trains. The training time is recomputed when that stage starts, from the time really spent.
+    Fixed costs (prepare, stage starts, the validation answers, tokenize, export) and the
+    evaluation come first; of the rest, :data:`DATA_SHARE` makes data (Magpie prompts, answers,
+    the cache) and the remainder trains. The training time is recomputed when that stage starts,
+    from the time really spent.
 
     Args:
         cfg: the job's settings.
-        seeds: prompts of the shipped train split and the user's file (Magpie's seeds).
+        seeds: training prompts before Magpie's (the user's file less its validation slice).
         rates: throughputs to size by (:func:`probe_rates`, or the CPU reference).
         probe_s: seconds the probe took (counted with the prepare stage: it runs right after).
+        dtype: the dtype every stage's target computes in (recorded and shown; the rates are
+            assumed to be for it).
+        reference_rates: ``rates`` are :data:`RATES` unmeasured (``--no-probe``): shown as such.
+        validation: prompts the target answers for validation, apart from the training ones.
     """
     budget = PLAN_SHARE * 60 * cfg.budget_minutes
     per_eval_prompt = EVAL_STREAMS * cfg.max_new_tokens / rates.eval_tokens_per_s
@@ -213,6 +261,7 @@ def make_plan(
     )
     est = {
         "prepare": rates.prepare_s + probe_s,
+        "validation": rates.distill_s(validation, cfg.max_new_tokens) if validation else 0.0,
         "tokenize": rates.tokenize_s + rates.load_s,
         "evaluate": eval_prompts * per_eval_prompt + 4 * rates.load_s,
         "export": rates.export_s,
@@ -246,16 +295,20 @@ def make_plan(
         records=records,
         magpie=magpie,
         eval_prompts=eval_prompts,
+        validation=validation,
         estimates={k: est[k] for k in STAGE_NAMES},
         reserve_s=reserve,
+        dtype=dtype,
+        reference_rates=reference_rates,
     )
 
 
 def speed_factor(cache_tokens: int, cache_record: dict[str, Any], rates: Rates = RATES) -> float:
     """This machine's speed against the measured one, from the cache stage's throughput.
 
-    Caching and training are both wide bf16 matmuls on the same cores, so the cache's tokens/s
-    scales the training rate (a busy or faster machine plans fewer or more epochs).
+    Caching and training are both wide matmuls in the job's dtype on the same cores, so the
+    cache's tokens/s scales the training rate (a busy or faster machine plans fewer or more
+    epochs).
 
     Args:
         cache_tokens: tokens in the hidden-state cache.
@@ -279,6 +332,7 @@ def train_schedule(
     train_steps: int | None,
     speed: float = 1.0,
     rates: Rates = RATES,
+    val_tokens: int = 0,
 ) -> dict[str, Any]:
     """The training schedule that fits ``left_s`` seconds: epochs and planned optimizer steps.
 
@@ -291,13 +345,17 @@ def train_schedule(
         train_steps: steps asked for (``--train-steps``); None: the epochs that fit.
         speed: :func:`speed_factor`.
         rates: the measured rates.
+        val_tokens: tokens of the validation records (``val_data``), whose features the target
+            computes at each of the :data:`VALIDATIONS` validations (at the cache's rate).
 
     Returns:
         ``{"epochs", "planned_steps", "train_s"}``, as kept in the job's state (a resumed run
         continues the same schedule).
     """
     train_tokens = max(1, tokens * (samples - val_samples) / max(samples, 1))
-    fit = max(0.0, left_s - rates.train_overhead_s) * rates.train_tokens_per_s * speed
+    validations_s = VALIDATIONS * val_tokens / (rates.cache_tokens_per_s * speed)
+    fit = max(0.0, left_s - rates.train_overhead_s - validations_s)
+    fit *= rates.train_tokens_per_s * speed
     epochs = round(min(30.0, max(0.1, fit / train_tokens)), 2)
     steps = train_steps or math.ceil(epochs * (samples - val_samples) / samples_per_step)
     return {"epochs": epochs, "planned_steps": steps, "train_s": round(left_s, 1)}
@@ -338,6 +396,8 @@ class Probe:
         device: :func:`~draftsmith.train.device.device_facts` of where it ran.
         dtype: the dtype its single-stream decoding ran in (the evaluation's).
         batch_size: rows of its batched generation: what the data stages decode together.
+        target_dtype: the dtype the target was loaded in for the generation, the hidden states
+            and the training steps (these autocast to bf16 only when it is bf16).
     """
 
     rates: Rates
@@ -346,6 +406,7 @@ class Probe:
     device: dict[str, Any]
     dtype: str
     batch_size: int
+    target_dtype: str = REFERENCE_DTYPE
 
     def record(self) -> dict[str, Any]:
         """The probe as the job's state keeps it (``quickstart.json``'s ``plan.probe``)."""
@@ -353,6 +414,7 @@ class Probe:
             "probed": True,
             "device": dict(self.device),
             "dtype": self.dtype,
+            "target_dtype": self.target_dtype,
             "batch_size": self.batch_size,
             # Unrounded: a rerun rebuilds exactly this probe, so the same command plans the same.
             "seconds": self.seconds,
@@ -374,6 +436,8 @@ class Probe:
                 device=dict(record["device"]),
                 dtype=str(record["dtype"]),
                 batch_size=int(record["batch_size"]),
+                # A probe recorded before the dtype was a setting ran its target in bf16.
+                target_dtype=str(record.get("target_dtype", REFERENCE_DTYPE)),
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
@@ -396,11 +460,11 @@ def generation_batch_size(model: Any, device: torch.device, seq_tokens: int) -> 
 
     On the CPU :data:`CPU_BATCH`. On a GPU a decode step of a small target costs about the same
     for 64 rows as for 256 (it is bound by kernel launches, not arithmetic), so the most rows of
-    :data:`GPU_BATCHES` whose bf16 KV cache (``seq_tokens`` per row) fits in half the free
-    memory.
+    :data:`GPU_BATCHES` whose KV cache (``seq_tokens`` per row, in the model's dtype) fits in
+    half the free memory.
 
     Args:
-        model: the target (its config gives the KV cache's size per token).
+        model: the target (its config and dtype give the KV cache's size per token).
         device: where the stages run.
         seq_tokens: the longest row (prompt + answer) to leave room for.
     """
@@ -412,7 +476,8 @@ def generation_batch_size(model: Any, device: torch.device, seq_tokens: int) -> 
     heads = int(c.num_attention_heads)
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-    per_row = 2 * int(c.num_hidden_layers) * kv_heads * head_dim * 2 * seq_tokens  # K and V
+    size = torch.empty((), dtype=getattr(model, "dtype", torch.bfloat16)).element_size()
+    per_row = 2 * int(c.num_hidden_layers) * kv_heads * head_dim * size * seq_tokens  # K and V
     free, _ = torch.cuda.mem_get_info(device)
     fits = [b for b in GPU_BATCHES if b * per_row <= free / 2]
     return max(fits, default=GPU_BATCHES[0])
@@ -422,6 +487,7 @@ def probe_rates(
     target: str | Path | None,
     device: torch.device,
     *,
+    dtype: torch.dtype | None = None,
     eval_dtype: torch.dtype | None = None,
     batch_size: int | None = None,
     seq_tokens: int = 512,
@@ -431,11 +497,12 @@ def probe_rates(
 ) -> Probe:
     """Measure this machine's rates on ``device``: a few seconds with the target loaded.
 
-    Loads the target in bf16 (as the data stages and the cache do) and times, on ``device``:
-    a batched greedy generation (``batch_size`` rows, :data:`PROBE_NEW_TOKENS` tokens each), a
-    forward with hidden states over :data:`PROBE_SHAPE` (copied to the host, as the cache
-    does), EAGLE-3 training steps over those hidden states (``ttt_steps``, bf16 autocast, AdamW)
-    and single-stream decoding in ``eval_dtype``. Every reading is taken with a
+    Loads the target in ``dtype`` (as the data stages and the cache do) and times, on
+    ``device``: a batched greedy generation (``batch_size`` rows, :data:`PROBE_NEW_TOKENS`
+    tokens each), a forward with hidden states over :data:`PROBE_SHAPE` (copied to the host, as
+    the cache does), EAGLE-3 training steps over those hidden states (``ttt_steps``, AdamW, bf16
+    autocast when ``dtype`` is bf16, as the train stage's ``mixed_precision``) and
+    single-stream decoding in ``eval_dtype``. Every reading is taken with a
     :class:`~draftsmith.train.device.DeviceTimer` and is the fastest of at least two runs (a
     one-off stall is not the machine's speed). About 5.5 s on 2 idle CPU cores with
     SmolLM2-135M-Instruct, the target's load included; a second or two on a GPU.
@@ -443,7 +510,8 @@ def probe_rates(
     Args:
         target: the prepared target (a directory, or what ``load_target`` accepts).
         device: where the stages will run (resolved: ``cpu``, ``cuda:0``, ...).
-        eval_dtype: the evaluation's dtype (default bf16).
+        dtype: the dtype the stages' target computes in (default bf16, the reference's).
+        eval_dtype: the evaluation's dtype (default ``dtype``).
         batch_size: rows of the batched generation; None: :func:`generation_batch_size`.
         seq_tokens: the longest generated row to leave memory for (None batch size only).
         ttt_steps: EAGLE-3 training-time-test steps of the training steps.
@@ -458,16 +526,17 @@ def probe_rates(
     from ..device import DeviceTimer, device_facts
     from ..target_model.load import load_target
 
-    eval_dtype = eval_dtype or torch.bfloat16
+    dtype = dtype or torch.bfloat16
+    eval_dtype = eval_dtype or dtype
     timer = DeviceTimer(device)
     start = timer.now()
-    model, _ = load_target(
-        target, cache_dir=cache_dir, dtype=torch.bfloat16, device=device, quiet=True
-    )
+    model, _ = load_target(target, cache_dir=cache_dir, dtype=dtype, device=device, quiet=True)
     load_s = timer.now() - start
     try:
         batch = batch_size or generation_batch_size(model, device, seq_tokens)
-        measured = _measure(model, device, timer, batch, eval_dtype, ttt_steps, draft_vocab_size)
+        measured = _measure(
+            model, device, timer, batch, dtype, eval_dtype, ttt_steps, draft_vocab_size
+        )
     finally:
         del model
         gc.collect()
@@ -480,6 +549,7 @@ def probe_rates(
         device=device_facts(device),
         dtype=str(eval_dtype).removeprefix("torch."),
         batch_size=batch,
+        target_dtype=str(dtype).removeprefix("torch."),
     )
 
 
@@ -500,11 +570,13 @@ def _measure(
     device: torch.device,
     timer: Any,
     batch: int,
+    dtype: torch.dtype,
     eval_dtype: torch.dtype,
     ttt_steps: int,
     draft_vocab_size: int,
 ) -> dict[str, float]:
-    """The four probes on a loaded bf16 target; tokens/s keyed as :data:`PROBE_REFERENCE`."""
+    """The four probes on a target loaded in ``dtype``; tokens/s keyed as
+    :data:`PROBE_REFERENCE`."""
     import torch
 
     from ...heads.families import cache_layers
@@ -536,11 +608,13 @@ def _measure(
         lambda: generate_batch(model, [prompt] * batch, max_new_tokens=PROBE_NEW_TOKENS), timer
     )
 
-    train_s = _train_seconds(model, device, timer, ids, hidden, ttt_steps, draft_vocab_size)
+    train_s = _train_seconds(
+        model, device, timer, ids, hidden, ttt_steps, draft_vocab_size, autocast=dtype
+    )
     del hidden
 
     # Single-stream decoding in the evaluation's dtype.
-    if eval_dtype != torch.bfloat16:
+    if eval_dtype != dtype:
         model.to(eval_dtype)
         generate_batch(model, [prompt], max_new_tokens=2)  # the new dtype's kernels
     eval_s, _ = _fastest(
@@ -562,9 +636,12 @@ def _train_seconds(
     hidden: tuple[torch.Tensor, ...],
     ttt_steps: int,
     draft_vocab_size: int,
+    *,
+    autocast: torch.dtype,
 ) -> float:
     """Seconds of the fastest EAGLE-3 training step over ``hidden`` (the target's hidden states
-    of ``ids``), as the train stage runs it: fp32 drafter, bf16 autocast, clipping, AdamW."""
+    of ``ids``), as the train stage runs it: fp32 drafter, clipping, AdamW, and autocast to
+    ``autocast`` when it is bf16 (``mixed_precision: bf16``; fp32: ``no``, no autocast)."""
     import torch
 
     from ...heads.eagle import EagleConfig, build_drafter
@@ -585,9 +662,10 @@ def _train_seconds(
         "hidden_states": {layer: hidden[layer] for layer in needed},
     }
     lm_head = model.get_output_embeddings()
+    bf16 = autocast == torch.bfloat16
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, _ = eagle3_ttt_loss(drafter, batch, lm_head, steps=ttt_steps)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -600,11 +678,13 @@ def _train_seconds(
 
 def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
     """What the job prints before its first stage: the target, budget and output, the plan's
-    sizes and estimated times, and a note when they exceed the budget.
+    dtype, sizes and estimated times, and a note when they exceed the budget or come from
+    reference rates of another dtype.
 
     Args:
         plan: the job's plan.
-        cfg: the quickstart's settings (``target``, ``budget_minutes``, ``max_new_tokens``).
+        cfg: the quickstart's settings (``target``, ``budget_minutes``, ``max_new_tokens``,
+            ``dtype``: ``auto`` is shown as such beside the dtype it resolved to).
         out: the output directory as shown.
 
     Returns:
@@ -619,8 +699,11 @@ def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
             "bold",
         ),
         (
-            f"plan: {plan.seeds} seed prompts + {plan.magpie} written by the target, "
-            f"{answered} answered ({cfg.max_new_tokens} tokens max), training "
+            f"plan ({plan.dtype}{' by auto' if getattr(cfg, 'dtype', None) == 'auto' else ''}): "
+            f"{f'{plan.seeds} of your prompts + ' if plan.seeds else ''}{plan.magpie} prompts "
+            "written by the target, "
+            f"{answered} answered ({cfg.max_new_tokens} tokens max) and trained on, "
+            f"{plan.validation} validation prompts answered apart, training "
             f"~{minutes(plan.estimates['train'])}, {plan.eval_prompts} held-out prompts "
             f"evaluated; estimated {minutes(plan.total_s)} in all",
             None,
@@ -631,6 +714,15 @@ def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
             (
                 f"note: the estimate exceeds the {cfg.budget_minutes:g}-min budget: the "
                 "sizes asked for need more time than it gives",
+                "yellow",
+            )
+        )
+    if plan.reference_rates and plan.dtype != REFERENCE_DTYPE:
+        lines.append(
+            (
+                f"note: --no-probe plans with the reference rates, measured in {REFERENCE_DTYPE} "
+                f"on a CPU with AVX512-BF16; none were measured in {plan.dtype}, so the "
+                "estimates are the bf16 ones (drop --no-probe to measure this machine)",
                 "yellow",
             )
         )

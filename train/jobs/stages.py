@@ -12,7 +12,10 @@ key hashes the stage's settings and inputs, chained through the earlier stages' 
 reruns that stage and every later one. A stage killed midway is rerun and its command continues
 its own output. Whether a rerun continues or starts over: a stage with a ``strict`` part of its
 settings continues (extends its output) while only the rest changed, e.g. a larger count, also
-over an earlier stage's extended output; any other change adds its ``restart`` flags.
+over an earlier stage's extended output; any other change adds its ``restart`` flags. A stage
+whose inputs are none of the earlier stages' outputs (``chained=False``: the quickstart's
+validation answers) is keyed on its own settings alone, so a change before it does not rerun
+it; the stages after it are keyed on it and on everything before it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ class Stage:
             of attempts); returns a note for the state, or None.
         after: runs after a successful command; returns facts for the state.
         estimate_s: the header's estimate.
+        chained: whether its key (and ``strict``) chain through the earlier stages' keys.
+            False: its output depends on none of theirs, so ``identity`` names every input
+            it has (the target, its input file's hash, ...) and a change before it leaves it
+            done; the stages after it chain through its key and the earlier ones' alike.
     """
 
     name: str
@@ -82,6 +89,7 @@ class Stage:
     accept: Callable[[int], dict[str, Any] | None] | None = None
     after: Callable[[], dict[str, Any]] | None = None
     estimate_s: float = 0.0
+    chained: bool = True
 
 
 class StageInterrupted(Exception):
@@ -203,7 +211,7 @@ class StageJob:
         Args:
             builders: one per stage, called when the stage is reached.
             start: the first one's number in the job (a job that does something between its
-                stages runs them in several calls: ``[1/8]``, then from ``[2/8]``).
+                stages runs them in several calls: ``[1/9]``, then from ``[2/9]``).
 
         Returns:
             False when a stage was interrupted (the state is saved, and how to resume printed).
@@ -228,14 +236,19 @@ class StageJob:
             UsageError: the command exited 2 (bad input); RunError: any other failure.
         """
         rec = self.state["stages"].setdefault(stage.name, {})
-        key = hash_parts(stage.name, stage.identity, self.prev_key)
+        prev_key, prev_strict = (self.prev_key, self.prev_strict) if stage.chained else ("", "")
+        key = hash_parts(stage.name, stage.identity, prev_key)
         # A stage that can extend its output (strict given) may continue over an earlier stage's
         # extended output; any other stage starts over when anything before it changed.
         if stage.strict is None:
             strict = hash_parts(stage.name, stage.identity, key)
         else:
-            strict = hash_parts(stage.name, stage.strict, self.prev_strict)
-        self.prev_key, self.prev_strict = key, strict
+            strict = hash_parts(stage.name, stage.strict, prev_strict)
+        if stage.chained:
+            self.prev_key, self.prev_strict = key, strict
+        else:  # the later stages depend on this one and on everything before it
+            self.prev_key = hash_parts(self.prev_key, key)
+            self.prev_strict = hash_parts(self.prev_strict, strict)
         header = f"[{index}/{len(self.stage_names)}] {stage.title}"
         if rec.get("status") == "done" and rec.get("key") == key and stage.complete():
             self._say(f"{header}: done before, skipped ({relative_path(stage.output)})", "dim")

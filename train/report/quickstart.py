@@ -1,8 +1,8 @@
 """The quickstart's summary: the lines it prints at the end and its ``summary.md``.
 
-Both are written from the job's summary dict (τ, speedups, losslessness, paths, the ``vllm
-serve`` line, times), its stage records in ``quickstart.json``, the evaluation's results and
-the training metrics.
+Both are written from the job's summary dict (τ, speedups, losslessness, the validation's
+figures against the evaluation's, paths, the ``vllm serve`` line, times), its stage records in
+``quickstart.json``, the evaluation's results and the training metrics.
 """
 
 from __future__ import annotations
@@ -13,9 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from ...heads.families import FAMILIES
-from .text import fmt_number, minutes
+from .text import fmt_number, is_finite_number, minutes
 
-__all__ = ["summary_lines", "summary_markdown", "vllm_serve_command"]
+__all__ = [
+    "summary_lines",
+    "summary_markdown",
+    "validation_figures",
+    "validation_line",
+    "vllm_serve_command",
+]
 
 
 def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
@@ -35,6 +41,74 @@ def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
     return shlex.join(["vllm", "serve", name, "--speculative-config", json.dumps(spec)])
 
 
+def validation_figures(
+    training: dict[str, Any], result: dict[str, Any], prompts: int | None = None
+) -> dict[str, Any]:
+    """The validation of the evaluated drafter against the evaluation (``quickstart.json``'s
+    ``summary.validation``).
+
+    The evaluated drafter is ``best/`` when the run kept one: its validation is the entry of
+    ``training["validation"]`` at ``training["best"]["step"]`` (``final_validation`` is the last
+    one, not necessarily the best); else the last validation (``drafter/``).
+
+    Args:
+        training: the training metrics (``training_metrics.json``).
+        result: the evaluation's results (``eval.json``).
+        prompts: validation prompts the simulated τ was measured on (``val_data``'s records).
+
+    Returns:
+        ``{"step", "drafter", "prompts", "sim_tau", "split_sim_tau", "evaluated_tau", "gap",
+        "split_gap"}``: ``sim_tau`` on the held-out validation prompts (``val/sim_tau``; None
+        for a run without ``val_data``), ``split_sim_tau`` on the held-back training records,
+        the evaluated τ, and each one's gap to it (simulated / evaluated - 1); None where not
+        known.
+    """
+    entries = [e for e in training.get("validation") or [] if isinstance(e, dict)]
+    best = training.get("best") or {}
+    entry = next((e for e in entries if e.get("step") == best.get("step")), None)
+    drafter = "best" if entry is not None else "drafter"
+    if entry is None:
+        entry = training.get("final_validation") or (entries[-1] if entries else {})
+    # Without val_data, val/sim_tau is the held-back training records' (runs before it existed).
+    held = training.get("val_data") is not None or "val_split/sim_tau" in entry
+    sim_tau = entry.get("val/sim_tau") if held else None
+    split_tau = entry.get("val_split/sim_tau") if held else entry.get("val/sim_tau")
+    evaluated = result.get("acceptance_length")
+
+    def gap(tau: float | None) -> float | None:
+        ok = is_finite_number(tau) and is_finite_number(evaluated) and evaluated > 0
+        return tau / evaluated - 1 if ok else None
+
+    return {
+        "step": entry.get("step"),
+        "drafter": drafter,
+        "prompts": prompts,
+        "sim_tau": sim_tau,
+        "split_sim_tau": split_tau,
+        "evaluated_tau": evaluated,
+        "gap": gap(sim_tau),
+        "split_gap": gap(split_tau),
+    }
+
+
+def _percent(gap: float | None) -> str:
+    return f"{100 * gap:+.0f} %" if is_finite_number(gap) else "-"
+
+
+def validation_line(figures: dict[str, Any]) -> str:
+    """One line: the validation's simulated τ (held-out prompts, training records), the
+    evaluated τ and the gap."""
+    where = f"{figures.get('drafter') or '-'}/, step {figures.get('step', '-')}"
+    n = figures.get("prompts")
+    on = f"the {n} held-out validation prompts" if n else "the held-out validation prompts"
+    return (
+        f"validation ({where}): simulated τ {fmt_number(figures.get('sim_tau'))} on {on}, "
+        f"{fmt_number(figures.get('split_sim_tau'))} on held-back training records; evaluated "
+        f"τ {fmt_number(figures.get('evaluated_tau'))}; gap {_percent(figures.get('gap'))} "
+        f"(training records: {_percent(figures.get('split_gap'))})"
+    )
+
+
 def _identical(summary: dict[str, Any]) -> str:
     """The "lossless" entry: all outputs identical, or the share that is and why the rest is not."""
     if summary.get("identical_to_target"):
@@ -42,7 +116,14 @@ def _identical(summary: dict[str, Any]) -> str:
     rate = summary.get("identical_rate")
     if rate is None:
         return "-"
-    return f"{100 * rate:.0f} % of outputs identical; the others differ at bf16 near-ties"
+    dtype = _short(summary.get("dtype"))
+    return f"{100 * rate:.0f} % of outputs identical; the others differ at {dtype} near-ties"
+
+
+def _short(dtype: str | None) -> str:
+    """``bfloat16`` -> ``bf16``, ``float32`` -> ``fp32`` (None: the quickstart's bf16 before the
+    dtype was a setting)."""
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(dtype or "bfloat16", str(dtype))
 
 
 def summary_lines(
@@ -56,11 +137,13 @@ def summary_lines(
         this_run: stage name -> ``ran`` or ``skipped`` in this invocation.
         cfg: the quickstart's settings (``budget_minutes`` is read).
     """
+    plain = _short(summary.get("dtype"))
     lines = [
         f"τ (tokens per target forward): {fmt_number(summary['acceptance_length'])}; speedup "
-        f"over plain bf16: {fmt_number(summary['speedup'], '.2f', 'x')}; over the fastest plain "
-        f"decoding: {fmt_number(summary['speedup_vs_fastest_plain'], '.2f', 'x')}; lossless: "
+        f"over plain {plain}: {fmt_number(summary['speedup'], '.2f', 'x')}; over the fastest "
+        f"plain decoding: {fmt_number(summary['speedup_vs_fastest_plain'], '.2f', 'x')}; lossless: "
         f"{_identical(summary)}",
+        validation_line(summary.get("validation") or {}),
         "stages: "
         + ", ".join(
             f"{name} {minutes(rec.get('seconds', 0.0))}"
@@ -100,7 +183,20 @@ def summary_markdown(
         command: the command that reruns the job.
     """
     alpha = " ".join(f"{a:.2f}" for a in summary.get("acceptance_rate_per_position") or [])
-    validation = (training.get("final_validation") or {}).get("val/sim_tau")
+    val = summary.get("validation") or {}
+    n = val.get("prompts")
+    where = f"{f'{n} ' if n else ''}held-out validation prompts; `{val.get('drafter') or '-'}/`"
+    validation_rows = "\n".join(
+        [
+            f"| simulated τ, {where} at step {val.get('step', '-')} | "
+            f"{fmt_number(val.get('sim_tau'))} |",
+            f"| simulated τ, held-back training records | {fmt_number(val.get('split_sim_tau'))} |",
+            f"| gap, validation vs evaluated τ | {_percent(val.get('gap'))} (training records: "
+            f"{_percent(val.get('split_gap'))}) |",
+        ]
+    )
+    mine = val.get("of_yours")
+    yours = f" and {mine} of your prompts (`--val-prompts`)" if mine else ""
     rows = "\n".join(
         f"| {name} | {rec.get('status', '-')} | {minutes(rec.get('seconds', 0.0))} | "
         f"`{rec.get('command', '')}` |"
@@ -109,10 +205,7 @@ def summary_markdown(
     ref = result.get("reference_plain") or {}
     plain_tps = fmt_number(result.get("baseline_tokens_per_second"), ".1f")
     vs_fastest = fmt_number(summary.get("speedup_vs_fastest_plain"), ".2f", "x")
-    trained = (
-        f"{training.get('steps', '-')} steps, {minutes(training.get('train_seconds', 0.0))}; "
-        f"validation simulated τ {fmt_number(validation)}"
-    )
+    trained = f"{training.get('steps', '-')} steps, {minutes(training.get('train_seconds', 0.0))}"
     return f"""# draftsmith quickstart
 
 `{command}` trained an EAGLE-3 drafter for `{cfg.target or "SmolLM2-135M-Instruct"}` and measured
@@ -131,7 +224,12 @@ it against plain decoding on {result.get("num_prompts", "-")} of the project's h
 | speedup over plain, same dtype | {fmt_number(summary.get("speedup"), ".2f", "x")} |
 | speedup over the fastest plain | {vs_fastest} |
 | lossless | {_identical(summary)} |
+{validation_rows}
 | training | {trained} |
+
+The validation prompts are the project's shipped `train` prompts (the held-out ones' kind){yours},
+answered by the target and never trained on: their simulated τ chose the drafter, and the gap says
+how well it predicted the evaluated τ.
 
 ## Files
 
