@@ -66,6 +66,7 @@ from ..train.core.run import TrainRun, held_out_validation, mean_over_processes
 from ..train.core.stop import NonFiniteError, non_finite_parameters
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
+from ..train.objectives.acceptance import DRAFT_LOSSES
 
 
 @dataclass
@@ -123,6 +124,16 @@ class EagleTrainConfig(TrainConfig):
     ttt_decay: float = cfg_field(
         0.8, help="EAGLE-3 loss weight of step j is ttt_decay ** j", gt=0, le=1
     )
+    loss: str = cfg_field(
+        "kl",
+        help="EAGLE-3/P-EAGLE per-step loss: kl (soft cross-entropy), or an LK loss that targets "
+        "the acceptance rate α = Σ min(p, q) (arXiv 2602.23881): tv (1 - α), nla (-log α), "
+        "lk_hybrid (λ KL + (1 - λ) TV, λ = exp(-lk_eta α))",
+        choices=list(DRAFT_LOSSES),
+    )
+    lk_eta: float = cfg_field(
+        3.0, help="lk_hybrid: decay of the KL weight with the acceptance rate (0: pure KL)", ge=0
+    )
     feature_noise: float = cfg_field(
         0.2, help="EAGLE-1 uniform noise U(-a/2, a/2) added to input features (0 = off)", ge=0
     )
@@ -142,6 +153,10 @@ class EagleTrainConfig(TrainConfig):
             problems.append(("parallel_drafting", "P-EAGLE drafts with EAGLE-3: set version: 3"))
         if self.mask_token_id is not None and not self.parallel_drafting:
             problems.append(("mask_token_id", "only parallel drafting (P-EAGLE) uses it"))
+        if self.version == 1 and self.loss != "kl":
+            problems.append(
+                ("loss", "EAGLE-1 trains on features and tokens; LK losses are EAGLE-3's")
+            )
         if self.version == 1 and self.feature_layers is not None:
             problems.append(("feature_layers", "EAGLE-1 uses the last layer only; set version: 3"))
         if self.feature_layers is not None and len(self.feature_layers) != 3:
@@ -345,7 +360,13 @@ def train(cfg: EagleTrainConfig) -> int:
             if cfg.version == 1:
                 return eagle1_loss(drafter, batch, lm_head, noise=cfg.feature_noise)
             return eagle3_ttt_loss(
-                drafter, batch, lm_head, steps=cfg.ttt_steps, decay=cfg.ttt_decay
+                drafter,
+                batch,
+                lm_head,
+                steps=cfg.ttt_steps,
+                decay=cfg.ttt_decay,
+                loss=cfg.loss,
+                lk_eta=cfg.lk_eta,
             )
 
         def measure(val_loader, source, prefix: str) -> tuple[dict[str, float], float]:

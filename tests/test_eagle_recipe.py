@@ -250,3 +250,16 @@ def test_missing_val_data_is_named(tmp_path, tiny_target_dir, capsys):
     assert train_eagle(args) == 2
     err = capsys.readouterr().err
     assert "val_data:" in err and "nope.jsonl" in err and "draftsmith data distill" in err
+
+
+def test_lk_loss_trains_and_reports_acceptance(tmp_path, tiny_target_dir, capsys):
+    """loss: lk_hybrid trains EAGLE-3 (loss falls) and every step logs α; EAGLE-1 refuses it."""
+    args = base_args(tmp_path, tiny_target_dir, 3, loss="lk_hybrid", max_steps=8, eval_every=4)
+    assert train_eagle(args) == 0
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    log = metrics["train_log"]
+    assert log[-1]["train/loss"] < log[0]["train/loss"]
+    assert all(0 <= e[f"train/alpha_{j}"] <= 1 for e in log for j in range(3))
+    assert all(0 <= v["val/alpha_0"] <= 1 for v in metrics["validation"])
+    assert train_eagle(base_args(tmp_path, tiny_target_dir, 1, loss="tv")) == 2
+    assert "loss: EAGLE-1" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from torch import nn
 
 from ...heads.base import unwrap_model
 from ...heads.eagle_model import EagleCache
+from .acceptance import draft_loss
 
 __all__ = [
     "eagle1_loss",
@@ -270,6 +271,8 @@ def eagle3_ttt_loss(
     steps: int = 7,
     decay: float = 0.8,
     supervised_labels_only: bool = True,
+    loss: str = "kl",
+    lk_eta: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 training-time test (EAGLE-3 §3.3; HASS): unroll the drafter on its own outputs.
 
@@ -288,9 +291,10 @@ def eagle3_ttt_loss(
     shrinking subset of positions per depth to save compute; ours costs what EAGLE-3's unroll
     costs) and the same depth weights as EAGLE-3's.
 
-    Loss: ``sum_j decay**j * CE_j`` where CE_j is the soft cross-entropy between the drafter's
-    draft-vocab distribution and the target's distribution restricted to the draft vocab
-    (``softmax(target_logits[..., t2d])``), averaged over supervised positions.
+    Loss: ``sum_j decay**j * L_j`` where L_j compares the drafter's draft-vocab distribution with
+    the target's distribution restricted to the draft vocab (``softmax(target_logits[...,
+    t2d])``), averaged over supervised positions: the soft cross-entropy by default, or one of
+    the LK losses that target the acceptance rate (:mod:`.acceptance`).
 
     Args:
         drafter: an EAGLE-3 :class:`~draftsmith.heads.eagle_model.EagleDrafter` (or a wrapper).
@@ -302,10 +306,14 @@ def eagle3_ttt_loss(
         supervised_labels_only: compute the target's distribution only at positions some step
             is supervised on (the label of position q is read iff ``loss_mask[q + 1]``); the
             loss and metrics are identical, the head costs less.
+        loss: the per-depth loss, one of :data:`~.acceptance.DRAFT_LOSSES` (``kl``, ``tv``,
+            ``nla``, ``lk_hybrid``).
+        lk_eta: ``lk_hybrid``'s decay of the KL weight with the acceptance rate.
 
     Returns:
         ``(loss, metrics)``; metrics (detached 0-dim tensors): ``loss``, ``loss_{j}``,
-        ``kl_{j}`` (loss_j minus the target's entropy, 0 at a perfect match), ``acc_{j}``
+        ``kl_{j}`` (the soft cross-entropy minus the target's entropy, 0 at a perfect match),
+        ``alpha_{j}`` (the acceptance rate Σ min(p, q) of sampling at temperature 1), ``acc_{j}``
         (draft argmax mapped to target ids == target argmax over the full vocab), ``tokens_{j}``
         for j in 0..steps-1.
     """
@@ -354,13 +362,14 @@ def eagle3_ttt_loss(
         logits = logits[:, :n]
         mask = shift_left(supervised, 2 + j)[:, :n] > 0
         p_j = target_p[:, 1 + j : 1 + j + n]
-        loss_j = _masked_mean(_soft_ce(logits, p_j), mask)
+        loss_j, ce_j, alpha_j = draft_loss(loss, logits, p_j, mask, eta=lk_eta)
         total = total + decay**j * loss_j
         with torch.no_grad():
             hit = core.target_ids(logits.argmax(-1)) == target_arg[:, 1 + j : 1 + j + n]
             metrics[f"acc_{j}"] = _masked_mean(hit.float(), mask)
             metrics[f"loss_{j}"] = loss_j.detach()
-            metrics[f"kl_{j}"] = loss_j.detach() - _masked_mean(_entropy(p_j), mask)
+            metrics[f"kl_{j}"] = ce_j - _masked_mean(_entropy(p_j), mask)
+            metrics[f"alpha_{j}"] = alpha_j
             metrics[f"tokens_{j}"] = mask.sum()
     metrics["loss"] = total.detach()
     return total, metrics
