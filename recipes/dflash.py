@@ -62,7 +62,7 @@ from ..train.core.data import (
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation, mean_over_processes
-from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.core.stop import check_finite
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 
@@ -354,12 +354,7 @@ def train(cfg: DFlashTrainConfig) -> int:
         def validate() -> tuple[dict[str, float], float]:
             """The validation figures and the simulated τ that chooses ``best/``: val_data's
             when set (the split's then logged as ``val_split/*``), else the split's."""
-            model = accelerator.unwrap_model(drafter)
-            bad = non_finite_parameters(model)
-            if bad:
-                raise NonFiniteError(
-                    f"validation at step {step}: drafter parameter {bad[0]} is not finite"
-                )
+            check_finite(accelerator.unwrap_model(drafter), f"validation at step {step}: drafter")
             drafter.eval()
             try:
                 return held_out_validation(

@@ -63,7 +63,7 @@ from ..train.core.data import (
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation, mean_over_processes
-from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.core.stop import check_finite
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 from ..train.objectives.acceptance import DRAFT_LOSSES
@@ -369,7 +369,7 @@ def train(cfg: EagleTrainConfig) -> int:
                 lk_eta=cfg.lk_eta,
             )
 
-        def measure(val_loader, source, prefix: str) -> tuple[dict[str, float], float]:
+        def measure(val_loader, source) -> tuple[dict[str, float], float]:
             """Mean loss and per-step top-1 accuracy over one validation set (all processes)."""
             sums: dict[str, torch.Tensor] = {}  # on the device, read once at the end
             with torch.no_grad():
@@ -379,29 +379,24 @@ def train(cfg: EagleTrainConfig) -> int:
                         sums[key] = sums.get(key, 0.0) + value.float()
             totals = torch.stack(list(sums.values())).tolist() if sums else []
             n = max(len(val_loader), 1)
-            val = {f"{prefix}/{k}": v / n for k, v in zip(sums, totals, strict=True)}
+            val = {f"val/{k}": v / n for k, v in zip(sums, totals, strict=True)}
             val = mean_over_processes(accelerator, val)
             accs = (
-                [val[f"{prefix}/acc"]]
+                [val["val/acc"]]
                 if cfg.version == 1
-                else [val[f"{prefix}/acc_{j}"] for j in range(cfg.ttt_steps)]
+                else [val[f"val/acc_{j}"] for j in range(cfg.ttt_steps)]
             )
             return val, simulated_tau(accs)
 
         def validate() -> tuple[dict[str, float], float]:
             """The validation figures and the simulated τ that chooses ``best/``: val_data's
             when set (the split's then logged as ``val_split/*``), else the split's."""
-            model = accelerator.unwrap_model(drafter)
-            bad = non_finite_parameters(model)
-            if bad:
-                raise NonFiniteError(
-                    f"validation at step {step}: drafter parameter {bad[0]} is not finite"
-                )
+            check_finite(accelerator.unwrap_model(drafter), f"validation at step {step}: drafter")
             drafter.eval()
             try:
                 return held_out_validation(
-                    measure(val_loader, src, "val") if val_idx else None,
-                    measure(held_loader, held_src, "val") if held_loader is not None else None,
+                    measure(val_loader, src) if val_idx else None,
+                    measure(held_loader, held_src) if held_loader is not None else None,
                 )
             finally:
                 drafter.train()

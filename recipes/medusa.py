@@ -66,7 +66,7 @@ from ..train.core.data import (
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun
-from ..train.core.stop import NonFiniteError, non_finite_parameters
+from ..train.core.stop import check_finite
 from ..train.decoding.metrics import simulated_tau
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
@@ -213,9 +213,7 @@ def validate_heads(run, cfg, objective, val_set, collate, features) -> dict[str,
     accelerator = run.accelerator
     with run.full_model(objective, everywhere=True) as model:
         heads = model.heads
-        bad = non_finite_parameters(heads)
-        if bad:
-            raise NonFiniteError(f"validation: head parameter {bad[0]} is not finite")
+        check_finite(heads, "validation: head")
         was_training = model.training
         model.eval()
         counts = torch.zeros(heads.num_heads, cfg.tree_max_rank, device=accelerator.device)

@@ -82,3 +82,15 @@ class StopSignals:
 def non_finite_parameters(module: torch.nn.Module) -> list[str]:
     """Names of the parameters holding a NaN or an infinity (empty when all are finite)."""
     return [n for n, p in module.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
+def check_finite(module: torch.nn.Module, where: str) -> None:
+    """Refuse to validate or save a model with a NaN/inf parameter (its figures would be noise).
+
+    Raises:
+        NonFiniteError: naming ``where`` (e.g. ``validation at step 40: drafter``) and the first
+            such parameter.
+    """
+    bad = non_finite_parameters(module)
+    if bad:
+        raise NonFiniteError(f"{where} parameter {bad[0]} is not finite")
