@@ -62,7 +62,12 @@ from ..train.core.data import (
     total_steps,
 )
 from ..train.core.dist import exit_process
-from ..train.core.run import TrainRun, held_out_validation, mean_over_processes
+from ..train.core.run import (
+    TrainRun,
+    held_out_validation,
+    mean_over_processes,
+    validation_line,
+)
 from ..train.core.stop import check_finite
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
@@ -460,10 +465,7 @@ def train(cfg: EagleTrainConfig) -> int:
                 if (val_idx or held_loader) and run.eval_due(step, total):
                     val, tau = validate()
                     run.record_validation(step, val, tau, save_to)
-                    say(
-                        f"step {step}: sim τ {tau:.3f}, "
-                        + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in val.items())
-                    )
+                    say(validation_line(step, val, tau))
                 if run.save_due(step):
                     run.save_checkpoint(step)
                 if run.finished(step, total):

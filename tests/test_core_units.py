@@ -234,3 +234,20 @@ def test_medusa_heads_refuse_non_finite_weights(tmp_path):
     with pytest.raises(ValueError, match="NaN or inf"):
         heads.save(tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_validation_line_names_both_figures_and_the_gap():
+    from draftsmith.train.core.run import held_out_validation, validation_line
+
+    split = ({"val/loss": 2.0, "val/acc_0": 0.5, "val/acc_1": 0.25}, 1.625)
+    held = ({"val/loss": 3.0, "val/acc_0": 0.4, "val/acc_1": 0.2, "val/alpha_0": 0.3}, 1.48)
+    metrics, tau = held_out_validation(split, held)
+    assert tau == 1.48 and metrics["val_split/acc_0"] == 0.5
+    assert metrics["val/sim_tau_gap"] == pytest.approx(1.625 / 1.48 - 1)
+    line = validation_line(40, metrics, tau)
+    assert line == (
+        "step 40: sim τ 1.480 (training records 1.625, +10%), loss 3.000, acc 0.40 0.20, α 0.30"
+    )
+    assert held_out_validation(split, None) == split
+    with pytest.raises(ValueError, match="nothing was validated"):
+        held_out_validation(None, None)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 import shlex
 import shutil
 import sys
@@ -642,6 +643,32 @@ class TrainRun:
         }
 
 
+def validation_line(step: int, metrics: dict[str, float], sim_tau: float) -> str:
+    """One console line for a validation: τ (and the training records' τ with the gap when the
+    run has ``val_data``), the loss, top-1 accuracy and acceptance rate per draft position."""
+
+    def per_position(name: str) -> str:
+        keys = sorted(
+            (k for k in metrics if re.fullmatch(rf"val/{name}(_\d+)?", k)),
+            key=lambda k: int(k.rsplit("_", 1)[1]) if k[-1].isdigit() else 0,
+        )
+        return " ".join(f"{metrics[k]:.2f}" for k in keys)
+
+    line = f"step {step}: sim τ {sim_tau:.3f}"
+    if "val_split/sim_tau" in metrics:
+        line += (
+            f" (training records {metrics['val_split/sim_tau']:.3f}, "
+            f"{metrics['val/sim_tau_gap']:+.0%})"
+        )
+    if "val/loss" in metrics:
+        line += f", loss {metrics['val/loss']:.3f}"
+    for name, label in (("acc", "acc"), ("alpha", "α")):
+        values = per_position(name)
+        if values:
+            line += f", {label} {values}"
+    return line
+
+
 def held_out_validation(
     split: tuple[dict[str, float], float] | None,
     held: tuple[dict[str, float], float] | None,
@@ -744,6 +771,7 @@ __all__ = [
     "device_mismatch",
     "held_out_validation",
     "mean_over_processes",
+    "validation_line",
 ]
 
 
