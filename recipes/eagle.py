@@ -64,11 +64,10 @@ from ..train.core.data import (
 from ..train.core.dist import exit_process
 from ..train.core.run import (
     TrainRun,
-    held_out_validation,
     mean_over_processes,
+    validate_drafter,
     validation_line,
 )
-from ..train.core.stop import check_finite
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 from ..train.objectives.acceptance import DRAFT_LOSSES
@@ -394,17 +393,14 @@ def train(cfg: EagleTrainConfig) -> int:
             return val, simulated_tau(accs)
 
         def validate() -> tuple[dict[str, float], float]:
-            """The validation figures and the simulated τ that chooses ``best/``: val_data's
-            when set (the split's then logged as ``val_split/*``), else the split's."""
-            check_finite(accelerator.unwrap_model(drafter), f"validation at step {step}: drafter")
-            drafter.eval()
-            try:
-                return held_out_validation(
-                    measure(val_loader, src) if val_idx else None,
-                    measure(held_loader, held_src) if held_loader is not None else None,
-                )
-            finally:
-                drafter.train()
+            """The figures and the simulated τ that chooses ``best/``: val_data's when set (the
+            split's then logged as ``val_split/*``), else the split's."""
+            return validate_drafter(
+                drafter,
+                step,
+                (lambda: measure(val_loader, src)) if val_idx else None,
+                (lambda: measure(held_loader, held_src)) if held_loader is not None else None,
+            )
 
         def save_to(path: Path) -> None:
             with run.full_model(drafter) as model:  # FSDP: gathered, collective

@@ -74,7 +74,7 @@ from .dist import (
     start_processes,
     teardown,
 )
-from .stop import NonFiniteError, StopSignals
+from .stop import NonFiniteError, StopSignals, check_finite
 
 BEST = "best"
 
@@ -643,6 +643,31 @@ class TrainRun:
         }
 
 
+def validate_drafter(
+    drafter: torch.nn.Module,
+    step: int,
+    split: Callable[[], tuple[dict[str, float], float]] | None,
+    held: Callable[[], tuple[dict[str, float], float]] | None,
+) -> tuple[dict[str, float], float]:
+    """One validation of a (possibly wrapped) drafter: refused if a parameter is not finite,
+    measured in eval mode, combined by :func:`held_out_validation`, back to train mode.
+
+    Args:
+        drafter: the prepared drafter (DDP/FSDP-wrapped or plain).
+        step: the optimizer step, named in a non-finite error.
+        split: measures the held-back training records, or None when there are none.
+        held: measures ``val_data``'s records, or None without it.
+    """
+    from ...heads.base import unwrap_model  # heads sit below train; imported where used
+
+    check_finite(unwrap_model(drafter), f"validation at step {step}: drafter")
+    drafter.eval()
+    try:
+        return held_out_validation(split() if split else None, held() if held else None)
+    finally:
+        drafter.train()
+
+
 def validation_line(step: int, metrics: dict[str, float], sim_tau: float) -> str:
     """One console line for a validation: τ (and the training records' τ with the gap when the
     run has ``val_data``), the loss, top-1 accuracy and acceptance rate per draft position."""
@@ -771,6 +796,7 @@ __all__ = [
     "device_mismatch",
     "held_out_validation",
     "mean_over_processes",
+    "validate_drafter",
     "validation_line",
 ]
 
