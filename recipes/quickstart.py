@@ -43,6 +43,8 @@ target and autocast in the job's dtype (below), an offline hidden-state cache, 3
 what the target computes in at every stage: Magpie, distil, the cache's target (its storage stays
 bf16), training's target and autocast (bf16: ``bf16``/``bf16``; fp32: ``fp32``/``no``) and the
 evaluation. It is resolved once, when the plan is made, and recorded in it (``plan.dtype``).
+Under ``auto`` (and the probe) the evaluation runs in whichever of fp32 and bf16 the probe's plain
+single-stream decoding was faster in (``plan.eval_dtype``).
 
 **Device**: ``--device`` (``auto``: the first GPU when there is one, else the CPU) is where every
 stage that runs a model runs: prompts, both distils, cache, train, evaluate, export (each gets
@@ -255,7 +257,8 @@ class QuickstartConfig:
         "auto",
         help="what the target computes in at every stage: Magpie, distil, the cache (stored in "
         "bf16 either way), training's target and autocast, and the evaluation (plain decoding "
-        "is timed in both dtypes); " + DTYPE_AUTO_HELP,
+        "is timed in both dtypes; auto with the probe: the evaluation in the dtype the probe "
+        "decodes one stream faster in); " + DTYPE_AUTO_HELP,
         choices=["auto", "bfloat16", "float32"],
     )
     train_steps: int | None = cfg_field(
@@ -488,9 +491,13 @@ class Quickstart(StageJob):
         The job's dtype is resolved here, once (``auto``: bf16 where ``device`` computes it
         natively, else fp32), and kept in the plan (``plan.dtype``), which every stage reads. A
         rerun resolves it again to the same value on the same machine, so its stages' keys, and
-        its probe's, are unchanged."""
+        its probe's, are unchanged. Under ``auto`` the probe also times plain single-stream
+        decoding in fp32 and bf16, and the evaluation runs in the faster (``plan.eval_dtype``;
+        a rerun keeps the job's probe, so the same choice); else it runs in ``plan.dtype``."""
         cfg = self.cfg
         dtype = auto_dtype(cfg.dtype, device, fast="bfloat16", slow="float32")
+        auto = cfg.dtype == "auto"
+        eval_dtype, eval_rates = dtype, {}
         key = {"target": str(self.target_path), "device": str(device), "dtype": dtype}
         recorded = self.state.get("plan") or {}
         probe = (
@@ -513,6 +520,7 @@ class Quickstart(StageJob):
                     device,
                     dtype=_torch_dtype(dtype),
                     eval_dtype=_torch_dtype(dtype),
+                    compare_eval_dtypes=auto,
                     seq_tokens=TRAIN_SETTINGS["max_length"],
                     ttt_steps=TRAIN_SETTINGS["ttt_steps"],
                     draft_vocab_size=DRAFT_VOCAB_SIZE,
@@ -520,7 +528,10 @@ class Quickstart(StageJob):
                 self._say(_probe_line(probe), "dim")
             else:
                 self._say(_probe_line(probe) + " (this job's earlier probe, kept)", "dim")
-            self.rates, self.batch_size, self.probe_s = probe.rates, probe.batch_size, probe.seconds
+            if auto:  # the faster plain decoding, when the probe compared the dtypes
+                eval_dtype, eval_rates = probe.dtype, probe.eval_rates()
+            self.batch_size, self.probe_s = probe.batch_size, probe.seconds
+            self.rates = probe.rates_evaluating(eval_dtype)
             record = probe.record()
         else:
             self.rates, self.batch_size, self.probe_s = RATES, BATCH_SIZE, 0.0
@@ -538,6 +549,8 @@ class Quickstart(StageJob):
             dtype=dtype,
             reference_rates=not record["probed"],
             validation=len(self.validation),
+            eval_dtype=eval_dtype,
+            eval_rates=eval_rates,
         )
         self.state["plan"] = {
             **self.plan.record(cfg.budget_minutes, self.rates),
@@ -879,7 +892,7 @@ class Quickstart(StageJob):
         output = self.out / REPORT
         drafter = self._drafter_dir()
         settings = {
-            "dtype": plan.dtype,
+            "dtype": plan.eval_dtype,
             "k": cfg.k,
             "max_new_tokens": cfg.max_new_tokens,
             "limit": plan.eval_prompts,
@@ -898,7 +911,7 @@ class Quickstart(StageJob):
         return Stage(
             name="evaluate",
             title=f"evaluate on {plan.eval_prompts} held-out prompts (plain vs EAGLE-3, "
-            f"{plan.dtype})",
+            f"{plan.eval_dtype})",
             argv=argv,
             output=output,
             complete=lambda: "acceptance_length" in read_json(output),
@@ -952,7 +965,7 @@ class Quickstart(StageJob):
             stages[s].get("last_seconds", 0.0) for s, r in self.this_run.items() if r == "ran"
         )
         summary = {
-            "dtype": result.get("dtype") or self.plan.dtype,
+            "dtype": result.get("dtype") or self.plan.eval_dtype,
             "acceptance_length": result.get("acceptance_length"),
             "acceptance_rate_per_position": result.get("acceptance_rate_per_position"),
             "speedup": result.get("speedup"),

@@ -501,6 +501,88 @@ def test_auto_keys_the_stages_as_the_dtype_it_resolves_to(tmp_path, monkeypatch)
     assert planned(tmp_path, monkeypatch, False)._prompts("x").strict["dtype"] == "float32"
 
 
+def probed(tmp_path, monkeypatch, decode: dict[str, float], **settings):
+    """A quickstart planned on a CPU without native bf16 (``auto``: fp32) with a fake probe
+    whose plain single-stream decoding ran at ``decode`` tokens/s per dtype when it compared
+    them; the calls to the probe in ``.calls``."""
+    from draftsmith.recipes.quickstart import Quickstart
+    from draftsmith.train import device
+    from draftsmith.train.jobs import budget
+
+    calls = []
+
+    def fake_probe(target, dev, *, dtype, eval_dtype, compare_eval_dtypes=False, **kwargs):
+        calls.append(compare_eval_dtypes)
+        by_dtype = decode if compare_eval_dtypes else {}
+        chosen = str(eval_dtype).removeprefix("torch.")
+        if by_dtype:
+            chosen = max(by_dtype, key=by_dtype.get)
+        measured = {**budget.PROBE_REFERENCE, "eval_tokens_per_s": decode[chosen]}
+        return budget.Probe(
+            budget.scaled_rates(measured),
+            measured,
+            2.0,
+            {"device": "cpu", "device_type": "cpu"},
+            chosen,
+            64,
+            target_dtype=str(dtype).removeprefix("torch."),
+            eval_measured=by_dtype,
+        )
+
+    monkeypatch.setattr(budget, "probe_rates", fake_probe)
+    monkeypatch.setattr(device, "native_bf16", lambda d: False)
+    qs = Quickstart(QuickstartConfig(out_dir=tmp_path, **settings), [])
+    qs._load_state()
+    qs._make_plan(32, torch.device("cpu"))
+    qs.calls = calls
+    return qs
+
+
+def test_auto_evaluates_in_the_dtype_the_probe_decodes_faster_in(tmp_path, monkeypatch):
+    """Batch-1 decoding is bound by reading the weights: where bf16 is emulated it can still
+    decode one stream faster than fp32. Under auto the evaluation runs in the faster; every
+    other stage keeps the dtype auto resolved to."""
+    from draftsmith.train.jobs.budget import plan_lines
+
+    bf16_faster = {"float32": 13.0, "bfloat16": 17.9}
+    qs = probed(tmp_path / "a", monkeypatch, bf16_faster)
+    assert qs.calls == [True]
+    assert qs.plan.dtype == "float32" and qs.plan.eval_dtype == "bfloat16"
+    assert stage_dtypes(qs) == {**FP32, "evaluate": ("bfloat16",)}
+    assert qs._evaluate().identity["dtype"] == "bfloat16"
+    # The plan's evaluation rate is bf16's: the rate the evaluation will run at.
+    assert qs.rates.eval_tokens_per_s == pytest.approx(RATES.eval_tokens_per_s * 17.9 / 16.0)
+    saved = json.loads((tmp_path / "a" / STATE_FILE).read_text())["plan"]
+    assert saved["eval_dtype"] == "bfloat16" and saved["dtype"] == "float32"
+    assert saved["probe"]["eval_tokens_per_s_by_dtype"] == bf16_faster
+    line = [text for text, _ in plan_lines(qs.plan, qs.cfg, "out")][1]
+    fast, slow = (RATES.eval_tokens_per_s * v / 16.0 for v in (17.9, 13.0))
+    assert line.startswith(
+        f"plan (float32 by auto; evaluation in bfloat16: plain decoding {fast:.1f} vs "
+        f"{slow:.1f} tok/s): "
+    )
+    # A rerun keeps the job's probe, so the same choice, whatever a new probe would say.
+    again = probed(tmp_path / "a", monkeypatch, {"float32": 20.0, "bfloat16": 10.0})
+    assert again.calls == [] and again.plan == qs.plan
+    assert again._evaluate().identity == qs._evaluate().identity
+    # The same job with an explicit fp32 keeps that probe and ignores its comparison.
+    explicit = probed(tmp_path / "a", monkeypatch, bf16_faster, dtype="float32")
+    assert explicit.calls == [] and stage_dtypes(explicit) == FP32
+    assert explicit.rates.eval_tokens_per_s == pytest.approx(slow)
+
+    # fp32 decoding faster: everything in fp32, as without the comparison.
+    qs = probed(tmp_path / "b", monkeypatch, {"float32": 20.0, "bfloat16": 10.0})
+    assert qs.plan.eval_dtype == "float32" and stage_dtypes(qs) == FP32
+    assert "; evaluation in float32: plain decoding" in plan_lines(qs.plan, qs.cfg, "o")[1][0]
+
+    # An explicit dtype, or --no-probe: no comparison, the evaluation in the job's one dtype.
+    qs = probed(tmp_path / "c", monkeypatch, bf16_faster, dtype="float32")
+    assert qs.calls == [False] and qs.plan.eval_dtype == "float32" and stage_dtypes(qs) == FP32
+    assert plan_lines(qs.plan, qs.cfg, "o")[1][0].startswith("plan (float32): ")
+    qs = probed(tmp_path / "d", monkeypatch, bf16_faster, probe=False)
+    assert qs.calls == [] and qs.plan.eval_dtype == "float32" and stage_dtypes(qs) == FP32
+
+
 def test_help_shows_an_example(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli(["quickstart", "--help"])

@@ -16,12 +16,16 @@ reference machine: ``RATES.x * measured.x / PROBE_REFERENCE.x``. :data:`RATES` (
 and :data:`PROBE_REFERENCE` (the probe's own figures) were both measured in bf16 on the project's
 2-core CPU (AVX512-BF16), so there the probe reproduces the reference plan, and on a GPU it scales
 every rate by what the GPU really does. The probe runs in the job's dtype (``--dtype``, resolved),
-so an fp32 job's rates are the bf16 reference scaled by what fp32 does here.
+so an fp32 job's rates are the bf16 reference scaled by what fp32 does here; under ``--dtype
+auto`` it times the single-stream decoding in both fp32 and bf16, and the evaluation runs in the
+faster (batch-1 decoding is bound by reading the weights: bf16 can win where it is emulated).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import gc
 import math
 from collections.abc import Callable
@@ -175,8 +179,12 @@ class Plan:
         eval_prompts: held-out prompts evaluated.
         estimates: stage name -> estimated seconds (``train`` as planned before the job).
         reserve_s: what the training stage leaves for evaluation and export.
-        dtype: what the target computes in, in every stage (``bfloat16`` or ``float32``;
-            ``--dtype`` resolved).
+        dtype: what the target computes in, in every stage but the evaluation (``bfloat16`` or
+            ``float32``; ``--dtype`` resolved).
+        eval_dtype: what the evaluation computes in: ``dtype``, or under ``--dtype auto`` the
+            dtype the probe's plain single-stream decoding was fastest in.
+        eval_rates: evaluation tokens/s per stream of each dtype the probe compared (scaled as
+            :class:`Rates`); empty when it compared none.
         reference_rates: whether the rates are :data:`RATES` as they are (``--no-probe``), not
             measured on this machine.
     """
@@ -191,6 +199,8 @@ class Plan:
     reserve_s: float = 0.0
     dtype: str = REFERENCE_DTYPE
     reference_rates: bool = field(default=False, compare=False)  # how it is shown, not its sizes
+    eval_dtype: str = REFERENCE_DTYPE
+    eval_rates: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def total_s(self) -> float:
@@ -202,6 +212,7 @@ class Plan:
         return {
             "budget_minutes": budget_minutes,
             "dtype": self.dtype,
+            "eval_dtype": self.eval_dtype,
             "seed_prompts": self.seeds,
             "magpie_prompts": self.magpie,
             "records": self.records,
@@ -236,6 +247,8 @@ def make_plan(
     dtype: str = REFERENCE_DTYPE,
     reference_rates: bool = False,
     validation: int = 0,
+    eval_dtype: str | None = None,
+    eval_rates: dict[str, float] | None = None,
 ) -> Plan:
     """Split the budget into data sizes and per-stage time estimates.
 
@@ -253,6 +266,9 @@ def make_plan(
             assumed to be for it).
         reference_rates: ``rates`` are :data:`RATES` unmeasured (``--no-probe``): shown as such.
         validation: prompts the target answers for validation, apart from the training ones.
+        eval_dtype: the evaluation's dtype (None: ``dtype``); ``rates`` are assumed to have its
+            evaluation rate.
+        eval_rates: the evaluation rates the probe compared, per dtype (shown in the plan line).
     """
     budget = PLAN_SHARE * 60 * cfg.budget_minutes
     per_eval_prompt = EVAL_STREAMS * cfg.max_new_tokens / rates.eval_tokens_per_s
@@ -300,6 +316,8 @@ def make_plan(
         reserve_s=reserve,
         dtype=dtype,
         reference_rates=reference_rates,
+        eval_dtype=eval_dtype or dtype,
+        eval_rates=dict(eval_rates or {}),
     )
 
 
@@ -398,6 +416,8 @@ class Probe:
         batch_size: rows of its batched generation: what the data stages decode together.
         target_dtype: the dtype the target was loaded in for the generation, the hidden states
             and the training steps (these autocast to bf16 only when it is bf16).
+        eval_measured: tokens/s of the single-stream decoding in each dtype, when it compared
+            fp32 and bf16 (``compare_eval_dtypes``; ``dtype`` is then the faster); else empty.
     """
 
     rates: Rates
@@ -407,6 +427,17 @@ class Probe:
     dtype: str
     batch_size: int
     target_dtype: str = REFERENCE_DTYPE
+    eval_measured: dict[str, float] = field(default_factory=dict)
+
+    def eval_rates(self) -> dict[str, float]:
+        """The evaluation's tokens/s per stream in each dtype compared (scaled as ``rates``)."""
+        return {d: _scaled_eval(v) for d, v in self.eval_measured.items()}
+
+    def rates_evaluating(self, dtype: str) -> Rates:
+        """``rates`` with the evaluation's rate for ``dtype`` (measured when compared)."""
+        if dtype == self.dtype or dtype not in self.eval_measured:
+            return self.rates
+        return dataclasses.replace(self.rates, eval_tokens_per_s=self.eval_rates()[dtype])
 
     def record(self) -> dict[str, Any]:
         """The probe as the job's state keeps it (``quickstart.json``'s ``plan.probe``)."""
@@ -419,6 +450,7 @@ class Probe:
             # Unrounded: a rerun rebuilds exactly this probe, so the same command plans the same.
             "seconds": self.seconds,
             "measured_tokens_per_s": dict(self.measured),
+            "eval_tokens_per_s_by_dtype": dict(self.eval_measured),
             "reference_tokens_per_s": dict(PROBE_REFERENCE),
             "rates": dataclasses.asdict(self.rates),
         }
@@ -438,6 +470,11 @@ class Probe:
                 batch_size=int(record["batch_size"]),
                 # A probe recorded before the dtype was a setting ran its target in bf16.
                 target_dtype=str(record.get("target_dtype", REFERENCE_DTYPE)),
+                # A probe recorded before the comparison timed the evaluation in one dtype.
+                eval_measured={
+                    str(k): float(v)
+                    for k, v in (record.get("eval_tokens_per_s_by_dtype") or {}).items()
+                },
             )
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
@@ -453,6 +490,11 @@ def scaled_rates(measured: dict[str, float], load_s: float = 0.0) -> Rates:
     """
     changes = {k: getattr(RATES, k) * measured[k] / PROBE_REFERENCE[k] for k in PROBE_REFERENCE}
     return dataclasses.replace(RATES, **changes, load_s=max(RATES.load_s, load_s))
+
+
+def _scaled_eval(measured: float) -> float:
+    key = "eval_tokens_per_s"
+    return getattr(RATES, key) * measured / PROBE_REFERENCE[key]
 
 
 def generation_batch_size(model: Any, device: torch.device, seq_tokens: int) -> int:
@@ -489,6 +531,7 @@ def probe_rates(
     *,
     dtype: torch.dtype | None = None,
     eval_dtype: torch.dtype | None = None,
+    compare_eval_dtypes: bool = False,
     batch_size: int | None = None,
     seq_tokens: int = 512,
     ttt_steps: int = 3,
@@ -502,7 +545,9 @@ def probe_rates(
     tokens each), a forward with hidden states over :data:`PROBE_SHAPE` (copied to the host, as
     the cache does), EAGLE-3 training steps over those hidden states (``ttt_steps``, AdamW, bf16
     autocast when ``dtype`` is bf16, as the train stage's ``mixed_precision``) and
-    single-stream decoding in ``eval_dtype``. Every reading is taken with a
+    single-stream decoding in ``eval_dtype``, or with ``compare_eval_dtypes`` in both fp32 and
+    bf16 (interleaved runs, a copy of the target in the other dtype; the whole probe took
+    14.9 s with SmolLM2 on a 2-core AVX2 CPU), the faster becoming the evaluation's. Every reading is taken with a
     :class:`~draftsmith.train.device.DeviceTimer` and is the fastest of at least two runs (a
     one-off stall is not the machine's speed). About 5.5 s on 2 idle CPU cores with
     SmolLM2-135M-Instruct, the target's load included; a second or two on a GPU.
@@ -512,6 +557,8 @@ def probe_rates(
         device: where the stages will run (resolved: ``cpu``, ``cuda:0``, ...).
         dtype: the dtype the stages' target computes in (default bf16, the reference's).
         eval_dtype: the evaluation's dtype (default ``dtype``).
+        compare_eval_dtypes: time the single-stream decoding in fp32 and bf16 and evaluate in the
+            faster (``eval_dtype`` wins a tie).
         batch_size: rows of the batched generation; None: :func:`generation_batch_size`.
         seq_tokens: the longest generated row to leave memory for (None batch size only).
         ttt_steps: EAGLE-3 training-time-test steps of the training steps.
@@ -534,9 +581,14 @@ def probe_rates(
     load_s = timer.now() - start
     try:
         batch = batch_size or generation_batch_size(model, device, seq_tokens)
-        measured = _measure(
-            model, device, timer, batch, dtype, eval_dtype, ttt_steps, draft_vocab_size
+        eval_dtypes = [eval_dtype]
+        if compare_eval_dtypes:
+            eval_dtypes += [d for d in (torch.float32, torch.bfloat16) if d != eval_dtype]
+        measured, by_dtype = _measure(
+            model, device, timer, batch, dtype, eval_dtypes, ttt_steps, draft_vocab_size
         )
+        eval_dtype = max(eval_dtypes, key=lambda d: by_dtype[d])  # the first on a tie
+        measured["eval_tokens_per_s"] = by_dtype[eval_dtype]
     finally:
         del model
         gc.collect()
@@ -550,6 +602,11 @@ def probe_rates(
         dtype=str(eval_dtype).removeprefix("torch."),
         batch_size=batch,
         target_dtype=str(dtype).removeprefix("torch."),
+        eval_measured=(
+            {str(d).removeprefix("torch."): v for d, v in by_dtype.items()}
+            if compare_eval_dtypes
+            else {}
+        ),
     )
 
 
@@ -565,18 +622,36 @@ def _fastest(run: Callable[[], Any], timer: Any) -> tuple[float, Any]:
     return max(min(times), 1e-9), result
 
 
+def _fastest_each(runs: dict[Any, Callable[[], Any]], timer: Any) -> dict[Any, float]:
+    """Seconds of the fastest run of each of ``runs``, their runs interleaved (a slow spell of
+    the machine slows them alike), each repeated per :func:`_fastest`'s rule."""
+    times: dict[Any, list[float]] = {k: [] for k in runs}
+
+    def more(t: list[float]) -> bool:
+        return len(t) < PROBE_MIN_REPS or (len(t) < PROBE_MAX_REPS and sum(t) < PROBE_MIN_S)
+
+    while any(more(t) for t in times.values()):
+        for k, run in runs.items():
+            if more(times[k]):
+                t0 = timer.now()
+                run()
+                times[k].append(timer.now() - t0)
+    return {k: max(min(t), 1e-9) for k, t in times.items()}
+
+
 def _measure(
     model: Any,
     device: torch.device,
     timer: Any,
     batch: int,
     dtype: torch.dtype,
-    eval_dtype: torch.dtype,
+    eval_dtypes: list[torch.dtype],
     ttt_steps: int,
     draft_vocab_size: int,
-) -> dict[str, float]:
-    """The four probes on a target loaded in ``dtype``; tokens/s keyed as
-    :data:`PROBE_REFERENCE`."""
+) -> tuple[dict[str, float], dict[torch.dtype, float]]:
+    """The four probes on a target loaded in ``dtype``: tokens/s keyed as
+    :data:`PROBE_REFERENCE` (all but the evaluation's), and the single-stream decoding's
+    tokens/s in each of ``eval_dtypes``."""
     import torch
 
     from ...heads.families import cache_layers
@@ -613,19 +688,28 @@ def _measure(
     )
     del hidden
 
-    # Single-stream decoding in the evaluation's dtype.
-    if eval_dtype != dtype:
-        model.to(eval_dtype)
-        generate_batch(model, [prompt], max_new_tokens=2)  # the new dtype's kernels
-    eval_s, _ = _fastest(
-        lambda: generate_batch(model, [prompt], max_new_tokens=PROBE_EVAL_TOKENS), timer
+    # Single-stream decoding in the evaluation's dtype(s): one dtype converts the target in
+    # place; two decode on the target and a copy in the other dtype, their runs interleaved.
+    if eval_dtypes == [eval_dtypes[0]] and eval_dtypes[0] != dtype:
+        model.to(eval_dtypes[0])
+    models = {d: model if model.dtype == d else copy.deepcopy(model).to(d) for d in eval_dtypes}
+    for m in models.values():
+        if m.dtype != dtype:
+            generate_batch(m, [prompt], max_new_tokens=2)  # the new dtype's kernels
+    eval_s = _fastest_each(
+        {
+            d: functools.partial(generate_batch, m, [prompt], max_new_tokens=PROBE_EVAL_TOKENS)
+            for d, m in models.items()
+        },
+        timer,
     )
-    return {
+    del models
+    measured = {
         "generate_tokens_per_s": batch * PROBE_NEW_TOKENS / gen_s,
         "cache_tokens_per_s": rows * width / cache_s,
         "train_tokens_per_s": rows * width / train_s,
-        "eval_tokens_per_s": PROBE_EVAL_TOKENS / eval_s,
     }
+    return measured, {d: PROBE_EVAL_TOKENS / s for d, s in eval_s.items()}
 
 
 def _train_seconds(
@@ -676,6 +760,17 @@ def _train_seconds(
     return _fastest(step, timer)[0]
 
 
+def _eval_note(plan: Plan) -> str:
+    """``; evaluation in D: plain decoding X vs Y tok/s`` when the probe compared the dtypes."""
+    other = [d for d in plan.eval_rates if d != plan.eval_dtype]
+    if plan.eval_dtype not in plan.eval_rates or not other:
+        return ""
+    return (
+        f"; evaluation in {plan.eval_dtype}: plain decoding "
+        f"{plan.eval_rates[plan.eval_dtype]:.1f} vs {plan.eval_rates[other[0]]:.1f} tok/s"
+    )
+
+
 def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
     """What the job prints before its first stage: the target, budget and output, the plan's
     dtype, sizes and estimated times, and a note when they exceed the budget or come from
@@ -699,7 +794,8 @@ def plan_lines(plan: Plan, cfg: Any, out: str) -> list[tuple[str, str | None]]:
             "bold",
         ),
         (
-            f"plan ({plan.dtype}{' by auto' if getattr(cfg, 'dtype', None) == 'auto' else ''}): "
+            f"plan ({plan.dtype}{' by auto' if getattr(cfg, 'dtype', None) == 'auto' else ''}"
+            f"{_eval_note(plan)}): "
             f"{f'{plan.seeds} of your prompts + ' if plan.seeds else ''}{plan.magpie} prompts "
             "written by the target, "
             f"{answered} answered ({cfg.max_new_tokens} tokens max) and trained on, "
