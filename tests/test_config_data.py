@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from draftsmith.recipes.cli import command_config_class, main
@@ -27,10 +26,10 @@ from draftsmith.recipes.evaluate import EvalConfig
 from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.train.config import load_config
 from draftsmith.train.core.data import check_inputs, load_samples
-from draftsmith.train.datagen.user_turn import user_turn_prefix
 from draftsmith.train.features.cache_read import HiddenStateCache
 from tests.config_headers import data_commands, header_commands
-from tests.conftest import byte_tokenizer, tiny_llama
+from tests.conftest import byte_tokenizer
+from tests.test_magpie import rigged_writer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
@@ -61,21 +60,12 @@ def _class(path: Path) -> type:
 
 
 def _writer_dir(path: Path) -> Path:
-    """A tiny random target (byte tokenizer) that writes short user turns of a-p and spaces, so
-    Magpie keeps about one candidate in six (as tests/test_magpie.py's writer)."""
+    """tests/test_magpie.py's tiny writer (short user turns of a-p and spaces, so Magpie keeps
+    about one candidate in six), saved as a target directory."""
     tok = byte_tokenizer()
-    model = tiny_llama(vocab_size=len(tok), init_std=0.1)
+    model = rigged_writer(tok)
     model.config.eos_token_id = tok.eos_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
-    allowed = {tok.convert_tokens_to_ids(c) for c in ALPHABET} | {tok.convert_tokens_to_ids("Ġ")}
-    with torch.no_grad():
-        prefix = user_turn_prefix(tok).ids
-        mean = model.model(torch.tensor([prefix])).last_hidden_state[0].mean(0)
-        away = -30 * mean / mean.norm() ** 2
-        for t in range(len(tok)):
-            if t not in allowed:
-                model.lm_head.weight[t] = away
-        model.lm_head.weight[tok.eos_token_id] = 0
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -42,6 +42,10 @@ def tok():
 
 @pytest.fixture(scope="module")
 def writer(tok):
+    return rigged_writer(tok)
+
+
+def rigged_writer(tok):
     """Tiny Llama whose lm_head rows outside a-p, space and EOS point against the mean hidden
     state of the prefix (so those tokens are all but never drawn) and whose EOS row is zero
     (logit 0: a turn ends every few dozen tokens)."""
