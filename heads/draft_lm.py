@@ -6,18 +6,68 @@ not seen (usually one or two) instead of re-reading the context.
 
 ``--drafter draft-lm[=DIR]`` (:data:`DRAFT_LM`) loads the draft from DIR (or ``draft_model``), or
 without one makes an untrained layer-pruned copy of the target (``draft_layers``).
+
+Draft vocabulary (FR-Spec; EAGLE-3 §3's d2t): a draft directory holding ``draft_vocab.json``
+(written by ``recipes/distill.py`` with ``draft_vocab_size``) drafts over those N token ids only:
+each draft token's logits are its last hidden state times those N rows of its own lm_head, not
+all V. For SmolLM2 the head is 49,152 x 576 multiply-adds a token, most of a pruned draft's
+cost. The draft distribution q is exactly zero outside the vocabulary, so verification stays
+lossless. The model itself keeps its full head: an HF export of it (``--format hf``) is the
+full-vocabulary equivalent, which servers load as any draft model.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .base import BuildOptions, DrafterKind, Features, Proposal
 from .sampling import SamplingParams, choose
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def draft_vocab_text(t2d: torch.Tensor, *, coverage: float | None = None) -> str:
+    """A draft model's draft vocabulary as the text of its ``draft_vocab.json``.
+
+    Args:
+        t2d: bool ``[V]``, True for the target ids in the draft vocabulary
+            (:func:`draftsmith.train.data.vocab.draft_vocab`).
+        coverage: share of the training data's supervised tokens the vocabulary holds.
+    """
+    ids = torch.nonzero(t2d.cpu()).flatten().tolist()
+    body = {"vocab_size": int(t2d.shape[0]), "draft_vocab_size": len(ids), "token_ids": ids}
+    if coverage is not None:
+        body["coverage"] = round(float(coverage), 6)
+    return json.dumps(body) + "\n"
+
+
+def load_draft_vocab(model_dir: str | Path | None, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary's target ids ``[N]`` (increasing) saved beside a draft model, or None.
+
+    Raises:
+        ValueError: naming the file and field when it is malformed or made for another vocabulary.
+    """
+    if model_dir is None or not (Path(model_dir) / DRAFT_VOCAB_FILE).is_file():
+        return None
+    path = Path(model_dir) / DRAFT_VOCAB_FILE
+    try:
+        body = json.loads(path.read_text())
+        ids = torch.tensor(body["token_ids"], dtype=torch.long)
+        size = int(body["vocab_size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a draft vocabulary file ({exc})") from exc
+    if size != vocab_size:
+        raise ValueError(f"{path}: vocab_size is {size}, the model has {vocab_size} output rows")
+    if ids.numel() == 0 or ids.min() < 0 or ids.max() >= size or not (ids.diff() > 0).all():
+        raise ValueError(f"{path}: token_ids must be distinct increasing ids in [0, {size})")
+    return ids
 
 
 def first_vocab_difference(
@@ -91,6 +141,8 @@ class DraftLM(nn.Module):
         model: the draft causal LM (put in eval mode here).
         target_vocab_size: the target's vocabulary size; checked against the draft's.
         name: how reports call it.
+        vocab_ids: a draft vocabulary ``[N]`` of target ids (:func:`load_draft_vocab`): draft
+            over these only (module docstring). None: the full vocabulary.
     """
 
     feature_layers: tuple[int, ...] = ()
@@ -100,13 +152,21 @@ class DraftLM(nn.Module):
         model: PreTrainedModel,
         target_vocab_size: int | None = None,
         name: str = "draft-lm",
+        vocab_ids: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.model = model.eval()
         self.name = name
-        draft_vocab = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()
+        draft_vocab = head.weight.shape[0]
         if target_vocab_size is not None:
             check_vocab_compatible(draft_vocab, target_vocab_size)
+        self.vocab_size = draft_vocab
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.to(head.weight.device)
+        # The head's rows of the draft vocabulary, gathered once (the draft is not trained here).
+        self._rows = None if vocab_ids is None else head.weight[self.vocab_ids].detach()
+        if vocab_ids is not None and getattr(head, "bias", None) is not None:
+            raise ValueError("a draft vocabulary needs an lm_head without bias")
         self._cache: DynamicCache | None = None
         self._valid = 0  # cached positions that belong to the accepted sequence
         self._context = 0  # length of ids at the last propose
@@ -144,8 +204,7 @@ class DraftLM(nn.Module):
         feed = ids[:, self._valid :]
         tokens, probs = [], []
         for i in range(k):
-            out = self.model(input_ids=feed, cache=self._cache, use_cache=True, logits_to_keep=1)
-            tok, q = choose(out.logits[0, -1], sampling, generator)
+            tok, q = self._draw(feed, sampling, generator)
             tokens.append(tok)
             probs.append(q)
             if i + 1 < k:
@@ -158,6 +217,20 @@ class DraftLM(nn.Module):
             tokens=torch.stack(tokens),
             probs=None if sampling.greedy else torch.stack(probs),
         )
+
+    def _draw(
+        self, feed: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed ``feed [1, n]`` and draw the next token: ``(token, q [V] or None)``."""
+        if self._rows is None:
+            out = self.model(input_ids=feed, cache=self._cache, use_cache=True, logits_to_keep=1)
+            return choose(out.logits[0, -1], sampling, generator)
+        hidden = self.model.get_decoder()(input_ids=feed, cache=self._cache, use_cache=True)
+        logits = F.linear(hidden.last_hidden_state[0, -1], self._rows)  # [N]
+        tok, q = choose(logits, sampling, generator)
+        if q is not None:  # q over the target vocabulary: zero outside the draft vocabulary
+            q = q.new_zeros(self.vocab_size).index_copy_(0, self.vocab_ids, q)
+        return self.vocab_ids[tok], q
 
     def accept(self, num_accepted: int, features: Features | None) -> None:
         """Keep the accepted draft tokens' cache entries; the rest is cropped at the next step.
@@ -261,7 +334,10 @@ def build_draft_lm(path: str | None, options: BuildOptions) -> DraftLM:
     """``draft-lm[=DIR]``: a draft LM run by our loop (see :func:`load_draft_model`)."""
     model, source = load_draft_model(path, options)
     vocab = options.target.get_output_embeddings().weight.shape[0]
-    return DraftLM(model, target_vocab_size=vocab, name=f"draft-lm[{source}]")
+    directory = path or options.draft_model
+    ids = load_draft_vocab(directory, vocab) if directory and Path(directory).is_dir() else None
+    name = f"draft-lm[{source}]" if ids is None else f"draft-lm[{source}, {len(ids)} tokens]"
+    return DraftLM(model, target_vocab_size=vocab, name=name, vocab_ids=ids)
 
 
 DRAFT_LM = DrafterKind(

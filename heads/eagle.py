@@ -85,9 +85,9 @@ def build_drafter(
     Args:
         target: the frozen target (its embedding, and EAGLE-1's head, are shared).
         cfg: drafter config (e.g. :meth:`EagleConfig.from_target`).
-        d2t, t2d: EAGLE-3 vocab maps (:func:`draftsmith.train.data.vocab.draft_vocab`);
-            default: the first ``draft_vocab_size`` target ids (identity when the draft vocab is
-            full).
+        d2t, t2d: the draft vocabulary's maps (:func:`draftsmith.train.data.vocab.draft_vocab`)
+            for EAGLE-3, or EAGLE-1 with ``draft_vocab_size < vocab_size``; default: the first
+            ``draft_vocab_size`` target ids (identity when the draft vocab is full).
         dtype: parameter dtype (float32 master weights are the usual choice for training).
         seed: seed for the random init (None: the global RNG).
         init_std: std of the random init (HF's usual 0.02).
@@ -104,11 +104,11 @@ def build_drafter(
         # Unit-scale like speculators' P-EAGLE init: a zero feature would sit where RMSNorm's
         # gain is 1/sqrt(eps) and blow up its first gradients.
         drafter.mask_hidden.copy_(torch.randn(drafter.mask_hidden.shape, generator=gen))
+    if (d2t is None) != (t2d is None):
+        raise ValueError("pass both d2t and t2d, or neither")
+    if d2t is not None:
+        drafter.set_vocab(d2t, t2d)  # refuses maps for a full-vocabulary EAGLE-1 drafter
     if cfg.version == 3:
-        if (d2t is None) != (t2d is None):
-            raise ValueError("pass both d2t and t2d, or neither")
-        if d2t is not None:
-            drafter.set_vocab(d2t, t2d)
         rows = drafter.target_ids(torch.arange(cfg.draft_vocab_size))
         target_head = target.get_output_embeddings().weight
         drafter.lm_head.weight.copy_(target_head[rows.to(target_head.device)].float().cpu())

@@ -76,7 +76,9 @@ class EagleConfig:
         max_position_embeddings: longest position the RoPE setup is meant for.
         hidden_act: MLP activation (HF name, e.g. ``silu``).
         vocab_size: the target's vocabulary size V.
-        draft_vocab_size: EAGLE-3's draft vocabulary size (== ``vocab_size`` for EAGLE-1).
+        draft_vocab_size: the draft vocabulary's size (EAGLE-3 §3, FR-Spec): EAGLE-3's head has
+            this many rows; EAGLE-1 drafts with these rows of the target's head (its
+            ``d2t``/``t2d`` maps exist only when it is smaller than ``vocab_size``).
         target_num_layers: N, the target's decoder layer count.
         feature_layers: the target hidden states the drafter reads, in order (what
             :class:`~draftsmith.heads.eagle_proposer.EagleProposer` declares to the loop).
@@ -135,11 +137,6 @@ class EagleConfig:
         if self.version == 1:
             if self.mask_token_id is not None:
                 out.append("parallel drafting (mask_token_id) is for EAGLE-3 drafters (P-EAGLE)")
-            if self.draft_vocab_size != self.vocab_size:
-                out.append(
-                    f"EAGLE-1 uses the target head: draft_vocab_size ({self.draft_vocab_size}) "
-                    f"must equal vocab_size ({self.vocab_size})"
-                )
             if self.feature_layers != (n,):
                 out.append(
                     f"EAGLE-1 reads the final feature only; feature_layers must be [{n}], "
@@ -158,11 +155,10 @@ class EagleConfig:
                     f"mask_token_id must be a token id in [0, {self.vocab_size}), "
                     f"got {self.mask_token_id}"
                 )
-            if not 1 <= self.draft_vocab_size <= self.vocab_size:
-                out.append(
-                    f"draft_vocab_size must be in [1, {self.vocab_size}], "
-                    f"got {self.draft_vocab_size}"
-                )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            out.append(
+                f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}"
+            )
         return out
 
     @classmethod
@@ -181,8 +177,8 @@ class EagleConfig:
         Args:
             target_config: the target's HF config (Llama-style fields).
             version: 1 or 3.
-            draft_vocab_size: EAGLE-3 draft vocab size (default: the full vocab); must be None
-                or equal to the vocab size for EAGLE-1.
+            draft_vocab_size: draft vocab size (default: the full vocab). EAGLE-3's own head
+                has this many rows; EAGLE-1 drafts with these rows of the target's head.
             feature_layers: target layers the drafter reads (default: its family's
                 :attr:`~draftsmith.heads.families.Family.feature_layers`, ``[N]`` for EAGLE-1,
                 ``[2, N//2, N-3]`` for EAGLE-3).
@@ -236,6 +232,11 @@ class EagleConfig:
             elif "target_num_layers" in d:
                 d["feature_layers"] = [d["target_num_layers"]]
         return config_from_fields(cls, d)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the drafter drafts over fewer tokens than the target has (vocab maps)."""
+        return self.draft_vocab_size < self.vocab_size
 
     @property
     def parallel(self) -> bool:

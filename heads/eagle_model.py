@@ -17,7 +17,8 @@ export is a rename-free copy:
 ``layers.0.hidden_norm.weight``                  EAGLE-3 only
 ``layers.0.post_attention_layernorm.weight``     both
 ``norm.weight``, ``lm_head.weight``              EAGLE-3 only (``lm_head``: ``[V_draft, H]``)
-``d2t`` (int64 ``[V_draft]``), ``t2d`` (bool)    EAGLE-3 only buffers (saved)
+``d2t`` (int64 ``[V_draft]``), ``t2d`` (bool)    buffers (saved): EAGLE-3, and EAGLE-1 with a
+                                                 draft vocabulary (``V_draft < V``)
 ``mask_hidden`` ``[1, 3H]``                      P-EAGLE only: the placeholder feature
 ===============================================  =========================================
 
@@ -49,7 +50,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .base import Features
-from .vocab_maps import check_vocab_maps, spread_logits
+from .vocab_maps import check_vocab_maps, spread_logits, vocab_target_ids
 
 if TYPE_CHECKING:
     from .eagle_config import EagleConfig
@@ -255,6 +256,29 @@ class SharedTarget:
 
     embed_tokens: nn.Module
     lm_head: nn.Module | None = None
+    # EAGLE-1's draft-vocabulary rows of ``lm_head``: (the d2t, its in-place version, rows).
+    rows: tuple[torch.Tensor, int, torch.Tensor] | None = None
+
+    def head_rows(self, d2t: torch.Tensor) -> torch.Tensor:
+        """The target head's rows of a draft vocabulary ``[N, H]`` (EAGLE-1), gathered once.
+
+        Gathered again when the head moves or changes dtype, or for other maps (another
+        ``d2t`` tensor, or the same one changed in place).
+        """
+        w = self.lm_head.weight
+        if self.rows is not None:
+            made_for, version, rows = self.rows
+            if (
+                made_for is d2t
+                and version == d2t._version
+                and rows.device == w.device
+                and rows.dtype == w.dtype
+            ):
+                return rows
+        with torch.no_grad():
+            rows = w[vocab_target_ids(d2t).to(w.device)].detach()
+        self.rows = (d2t, d2t._version, rows)
+        return rows
 
     def __deepcopy__(self, memo: dict) -> SharedTarget:
         # Copies of a drafter (EMA, snapshots) keep sharing the target, never duplicate it.
@@ -289,6 +313,8 @@ class EagleDrafter(nn.Module):
         if config.version == 3:
             self.norm = RMSNorm(h, config.rms_norm_eps)
             self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+        self.has_vocab_maps = config.version == 3 or config.reduced_vocab
+        if self.has_vocab_maps:
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
             t2d[: config.draft_vocab_size] = True
@@ -418,11 +444,17 @@ class EagleDrafter(nn.Module):
         if self.config.version == 3:
             return self.lm_head(self.norm(hidden))
         head = self.shared.lm_head
-        return head(hidden.to(device=head.weight.device, dtype=head.weight.dtype))
+        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
+        if not self.has_vocab_maps:
+            return head(hidden)
+        # A draft vocabulary (FR-Spec): only its rows of the target head are computed, which is
+        # most of EAGLE-1's drafting cost (49,152 x 576 MACs a token for SmolLM2 against ~4M in
+        # the decoder layer). The frozen rows are gathered once and kept beside the shared head.
+        return F.linear(hidden, self.shared.head_rows(self.d2t))
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Map draft-vocab ids to target ids (``i + d2t[i]``; identity for EAGLE-1)."""
-        if self.config.version == 1:
+        """Map draft-vocab ids to target ids (``i + d2t[i]``; identity without vocab maps)."""
+        if not self.has_vocab_maps:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
@@ -432,14 +464,18 @@ class EagleDrafter(nn.Module):
         Tokens outside the draft vocab get ``-inf`` (probability 0), so ``choose`` and
         ``logits_to_probs`` give the draft distribution in target ids. Identity for EAGLE-1.
         """
-        if self.config.version == 1:
+        if not self.has_vocab_maps:
             return draft_logits
         return spread_logits(draft_logits, self.d2t, self.config.vocab_size)
 
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install EAGLE-3's vocab maps (see :func:`draftsmith.train.data.vocab.draft_vocab`)."""
-        if self.config.version != 3:
-            raise ValueError("EAGLE-1 predicts over the full target vocabulary; no d2t/t2d")
+        """Install the vocab maps (see :func:`draftsmith.train.data.vocab.draft_vocab`)."""
+        if not self.has_vocab_maps:
+            raise ValueError(
+                "this EAGLE-1 drafter predicts over the full target vocabulary "
+                "(draft_vocab_size == vocab_size): no d2t/t2d"
+            )
         check_vocab_maps(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
         self.d2t.copy_(d2t.to(self.d2t.device))
         self.t2d.copy_(t2d.to(self.t2d.device))
+        self.shared.rows = None

@@ -114,6 +114,13 @@ class DistillConfig(TrainConfig):
     fresh_copy_embeddings: bool = cfg_field(
         False, help="fresh: start from the target's embeddings, final norm, lm_head (same width)"
     )
+    draft_vocab_size: int | None = cfg_field(
+        None,
+        help="draft vocabulary: the N most frequent supervised tokens of the training data; the "
+        "draft drafts with those rows of its lm_head only (saved as draft_vocab.json beside it; "
+        "None: the full vocabulary)",
+        ge=1,
+    )
     # --- loss ---
     loss: str = cfg_field(
         "fkl", help="fkl: KL(p||q), rkl: KL(q||p), tvd: total variation, jsd", choices=list(LOSSES)
@@ -275,13 +282,21 @@ def on_policy_batch(
 
 @torch.no_grad()
 def validate(
-    draft, target, samples, cfg: DistillConfig, accelerator, even: bool = False
+    draft,
+    target,
+    samples,
+    cfg: DistillConfig,
+    accelerator,
+    even: bool = False,
+    t2d: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Loss, expected acceptance and greedy agreement on the validation samples, all ranks.
 
     Each rank scores every ``num_processes``-th sample; sums are reduced, so the figures are
     token-weighted means over the whole validation split. ``even``: every rank runs the same
     number of batches (the target is sharded by FSDP: each of its forwards is a collective).
+    ``t2d`` (bool ``[V]``): a draft vocabulary; the acceptance and agreement are then those of
+    the draft as it drafts, over those tokens only (the loss stays the training objective's).
     """
     was_training = draft.training
     draft.eval()
@@ -294,7 +309,12 @@ def validate(
         if not counted:
             continue
         n = labels.numel()  # from the shape: no host sync; the sums are read once, below
-        figures = [step_loss(cfg, p, q, labels), expected_acceptance(p, q), greedy_agreement(p, q)]
+        drafted = q if t2d is None else q.masked_fill(~t2d.to(q.device), float("-inf"))
+        figures = [
+            step_loss(cfg, p, q, labels),
+            expected_acceptance(p, drafted),
+            greedy_agreement(p, drafted),
+        ]
         sums[:3] += torch.stack([f.to(torch.float64) for f in figures]) * n
         sums[3] += n
     sums = accelerator.reduce(sums, reduction="sum")
@@ -318,6 +338,8 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     """Train a draft as ``cfg`` says; the metrics (None when stopped early with a checkpoint)."""
     from transformers import get_cosine_schedule_with_warmup
 
+    from ..heads.draft_lm import DRAFT_VOCAB_FILE, draft_vocab_text
+    from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.decoding.metrics import simulated_tau
     from ..train.export.hf import save_draft
     from ..train.progress import progress
@@ -390,6 +412,25 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             held_samples = [TokenDataset(held)[i] for i in range(len(held))]
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         stop_ids = eos_ids(tokenizer, target)
+        t2d, vocab_files, vocab_note = None, {}, {}
+        if cfg.draft_vocab_size is not None:
+            # FR-Spec / EAGLE-3 §3: draft over the most frequent supervised tokens of this run's
+            # training records (EOS always in); the draft keeps its full head (heads/draft_lm).
+            vocab = target.get_output_embeddings().weight.shape[0]
+            if cfg.draft_vocab_size > vocab:
+                raise UsageError(
+                    f"draft_vocab_size: {cfg.draft_vocab_size} is larger than the target's "
+                    f"vocabulary ({vocab}); choose <= {vocab}"
+                )
+            counts = token_counts(dataset.select(train_idx), vocab, max_length=cfg.max_length)
+            _, t2d = draft_vocab(counts, cfg.draft_vocab_size, always_include=stop_ids)
+            vocab_note = {"draft_vocab_coverage": coverage(counts, t2d)}
+            text = draft_vocab_text(t2d, coverage=vocab_note["draft_vocab_coverage"])
+            vocab_files = {DRAFT_VOCAB_FILE: text}
+            say(
+                f"draft vocab: {cfg.draft_vocab_size} tokens cover "
+                f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens"
+            )
         loader = torch.utils.data.DataLoader(
             train_set,
             batch_size=cfg.batch_size,
@@ -423,19 +464,22 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                 "loss": _loss_name(cfg),
                 "steps": step,
                 "compute_ratio": round(ratio, 4),
+                **vocab_note,
                 "validation": {"before": train_run.state.extra.get("before"), "after": validation},
             }
 
         def save_to(path: Path, validation: dict[str, Any] | None = None) -> None:
             with train_run.full_model(draft) as model:  # FSDP: gathered, collective
                 if accelerator.is_main_process:
-                    save_draft(model, tokenizer, path, info=card(validation))
+                    save_draft(
+                        model, tokenizer, path, info=card(validation), extra_files=vocab_files
+                    )
 
         def validate_all(samples: list | None = None) -> dict[str, float]:
             # FSDP: the draft gathered whole on every rank, the sharded target run evenly.
             with train_run.full_model(draft, everywhere=True) as model:
                 return validate(
-                    model, target, samples or val_samples, cfg, accelerator, train_run.fsdp
+                    model, target, samples or val_samples, cfg, accelerator, train_run.fsdp, t2d
                 )
 
         def scored(samples: list) -> tuple[dict[str, float], float]:
@@ -552,6 +596,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             "val_records": len(val_idx),
             "data_summary": str(summary),
             "compute_ratio": ratio,
+            **vocab_note,
             "validation_before": train_run.state.extra.get("before"),
             "final_validation": after,
             **info,

@@ -110,7 +110,11 @@ class EagleTrainConfig(TrainConfig):
         ge=0,
     )
     draft_vocab_size: int = cfg_field(
-        8192, help="EAGLE-3 reduced draft vocabulary: the N most frequent supervised tokens", ge=1
+        8192,
+        help="draft vocabulary: the N most frequent supervised tokens (EAGLE-3's own head has N "
+        "rows; EAGLE-1 drafts with these N rows of the target head; the full vocabulary size "
+        "turns it off)",
+        ge=1,
     )
     parallel_drafting: bool = cfg_field(
         False,
@@ -216,7 +220,7 @@ def train(cfg: EagleTrainConfig) -> int:
                 f"feature_layers: {cfg.feature_layers} is outside the target's hidden "
                 f"states 0..{num_layers} (it has {num_layers} layers)"
             )
-        if cfg.version == 3 and cfg.draft_vocab_size > vocab:
+        if cfg.draft_vocab_size > vocab:
             raise UsageError(
                 f"draft_vocab_size: {cfg.draft_vocab_size} is larger than the "
                 f"target's vocabulary ({vocab}); choose <= {vocab}"
@@ -235,7 +239,7 @@ def train(cfg: EagleTrainConfig) -> int:
             target.config,
             cfg.version,
             feature_layers=cfg.feature_layers,
-            draft_vocab_size=cfg.draft_vocab_size if cfg.version == 3 else None,
+            draft_vocab_size=cfg.draft_vocab_size,
             mask_token_id=mask_token_id,
         )
         # What the target provides to training: the drafter's feature layers plus the last
@@ -307,9 +311,10 @@ def train(cfg: EagleTrainConfig) -> int:
         # --- drafter --------------------------------------------------------------------------
         d2t = t2d = None
         vocab_note = {}
-        if cfg.version == 3 and cfg.init_from is None:
-            # EAGLE-3 §3: the draft head predicts over the most frequent target tokens only,
-            # counted on the supervised tokens of this run's training data, EOS always in.
+        if eagle_cfg.draft_vocab_size < vocab and cfg.init_from is None:
+            # EAGLE-3 §3 (FR-Spec for EAGLE-1): the drafter predicts over the most frequent
+            # target tokens only, counted on the supervised tokens of this run's training data,
+            # EOS always in.
             counts = token_counts(count_source, vocab, max_length=cfg.max_length)
             d2t, t2d = draft_vocab(
                 counts, cfg.draft_vocab_size, always_include=eos_ids(tokenizer, target)

@@ -65,7 +65,7 @@ from ..train.core.data import (
     total_steps,
 )
 from ..train.core.dist import exit_process
-from ..train.core.run import TrainRun
+from ..train.core.run import TrainRun, held_out_validation
 from ..train.core.stop import check_finite
 from ..train.decoding.metrics import simulated_tau
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
@@ -172,10 +172,6 @@ class MedusaConfig(TrainConfig):
 
     def validate(self) -> list[tuple[str, str]]:
         problems = super().validate()
-        if self.val_data is not None:
-            problems.append(
-                ("val_data", "the Medusa recipe validates on val_samples records only (for now)")
-            )
         if self.hidden_states == "offline":
             if self.hidden_states_cache is None:
                 problems.append(("hidden_states_cache", "offline hidden states need a cache dir"))
@@ -251,6 +247,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         dataset_fingerprint,
         feature_source,
         target_fingerprint,
+        val_data_source,
     )
     from ..train.progress import progress
     from ..train.runinfo import run_info
@@ -418,6 +415,29 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
             allow=cfg.allow_little_data,
         )
         train_set, val_set = Subset(dataset, train_idx), Subset(dataset, val_idx)
+        # Validation like evaluation: val_data's records, when given, choose best/ and the
+        # automatic tree (their accuracies predict the evaluated τ; training records overstate
+        # it). Medusa-1 reads their features from the frozen target, Medusa-2 from the adapted
+        # one as it validates.
+        held_set = held_collate = held_features = None
+        if cfg.val_data is not None and medusa2:
+            held, held_summary = load_samples(
+                cfg.val_data, tokenizer, max_length=cfg.max_length, split=None
+            )
+            say(f"validation data: {held_summary or f'{len(held)} tokenized samples'}")
+            held_set, held_collate, held_features = (
+                TokenDataset(held, cfg.max_length),
+                collate,
+                features,
+            )
+        elif cfg.val_data is not None:
+            held_src, _ = val_data_source(cfg, tokenizer, target, [feature_layer], say)
+            held_set, held_collate = held_src.dataset, held_src.collate
+
+            def held_features(model, batch):
+                batch = held_src.complete(batch, accelerator.device)
+                return batch["hidden_states"][feature_layer], batch["loss_mask"], lm_head
+
         loader = DataLoader(
             train_set,
             batch_size=cfg.batch_size,
@@ -456,11 +476,26 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
 
         def validate(step: int) -> dict[str, Any]:
             report = validate_heads(run, cfg, objective, val_set, collate, features)
-            tau = simulated_tau(report["top1"])
+            split = val_logs(report), simulated_tau(report["top1"])
+            held = None
+            if held_set is not None:
+                held_report = validate_heads(
+                    run, cfg, objective, held_set, held_collate, held_features
+                )
+                held = val_logs(held_report), simulated_tau(held_report["top1"])
+                split_report = {**report, "val_samples": len(val_set)}
+                report = {**held_report, "val_data_samples": len(held_set), "split": split_report}
+            logs, tau = held_out_validation(split, held)
             save_best = None if medusa2 else save_heads  # Medusa-2 heads need their target
-            run.record_validation(step, val_logs(report), tau, save_best)
+            run.record_validation(step, logs, tau, save_best)
+            gap = (
+                f" (training records {logs['val_split/sim_tau']:.3f}, "
+                f"{logs['val/sim_tau_gap']:+.0%})"
+                if held
+                else ""
+            )
             say(
-                f"step {step}: sim τ {tau:.3f}, validation top-1 per head "
+                f"step {step}: sim τ {tau:.3f}{gap}, validation top-1 per head "
                 f"{[round(a, 3) for a in report['top1']]}"
             )
             return report

@@ -1,17 +1,20 @@
-"""What a draft vocabulary saves a Medusa drafter per draft step (issue 25 item 2).
+"""What a draft vocabulary saves a drafter per draft token (issue 25 item 2).
 
-Each Medusa head ends in a projection over the vocabulary: SmolLM2's 49,152 rows, or the
-``draft_vocab_size`` most frequent tokens with a draft vocabulary (EAGLE-3's d2t/t2d). A
-greedy draft step of K heads is their residual blocks and projections over the last verified
-hidden state, the argmax per head and the map back to target ids. This benchmark times that step
-with heads shaped as the real target's (weights from its lm_head; the cost does not depend on
-training), for the full vocabulary and each ``--draft-vocab`` size, in each ``--dtypes``,
-interleaved per repetition (median of ``--reps``), and writes JSON with the command, versions
-and machine.
+Medusa heads end in a projection over the vocabulary, EAGLE-1 drafts through the target's
+lm_head and a draft LM through its own: SmolLM2's 49,152 rows each, or the ``draft_vocab_size``
+most frequent tokens with a draft vocabulary (EAGLE-3's d2t/t2d, FR-Spec). For each
+``--drafters`` family this benchmark times one greedy draft step as evaluate runs it, with
+modules shaped as the real target's (the cost does not depend on training), for the full
+vocabulary and each ``--draft-vocab`` size, in each ``--dtypes``, interleaved per repetition
+(median of ``--reps``), and writes JSON with the command, versions and machine:
+
+- ``medusa``: K heads' residual blocks and projections over the last verified hidden state;
+- ``eagle1``: one EAGLE-1 drafter forward over one position and its head (the target's rows);
+- ``draft-lm``: one token of a 1-layer pruned draft LM with a KV cache of ``--context`` tokens.
 
 Run::
 
-    python scripts/bench_draft_vocab.py --out bench/draft_vocab_medusa.json
+    python scripts/bench_draft_vocab.py --out bench/draft_vocab_cpu.json
 """
 
 from __future__ import annotations
@@ -27,17 +30,22 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--drafters", nargs="+", default=["medusa", "eagle1", "draft-lm"])
+    parser.add_argument("--heads", type=int, default=4, help="medusa: heads")
+    parser.add_argument("--context", type=int, default=128, help="draft-lm: cached tokens")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--target", default=None)
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", default="bench/draft_vocab_medusa.json")
+    parser.add_argument("--out", default="bench/draft_vocab_cpu.json")
     args = parser.parse_args(argv)
 
+    from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
+    from draftsmith.heads.eagle import EagleConfig, build_drafter
     from draftsmith.heads.medusa import MedusaHeads
+    from draftsmith.heads.sampling import SamplingParams
     from draftsmith.train.device import DeviceTimer, is_cpu, make_generator, resolve_device
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.staged import write_json_atomic
@@ -50,53 +58,105 @@ def main(argv: list[str] | None = None) -> int:
     info = run_info(device)
     clock = DeviceTimer(device).now
     load_before = os.getloadavg()
-    target, _ = load_target(args.target, dtype=torch.float32, device=device)
-    vocab = target.config.vocab_size
+    targets = {
+        d: load_target(args.target, dtype=getattr(torch, d), device=device)[0] for d in args.dtypes
+    }
+    first = next(iter(targets.values()))
+    vocab, width = first.config.vocab_size, first.config.hidden_size
     gen = make_generator(device, 0)
-    sizes = [None, *args.draft_vocab]
-    variants = {}
-    for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
-        for n in sizes:
-            d2t = t2d = None
-            if n is not None:
-                ids = torch.randperm(vocab, generator=gen, device=device)[:n].sort().values
-                d2t = ids - torch.arange(n, device=device)
-                t2d = torch.zeros(vocab, dtype=torch.bool, device=device)
-                t2d[ids] = True
-            heads = MedusaHeads.from_target(target, num_heads=args.heads, d2t=d2t, t2d=t2d)
-            heads = heads.to(dtype).eval()
-            flatten_linear_inputs(heads)  # as evaluate runs drafters (the bf16 CPU kernel path)
-            variants[(dtype_name, n or vocab)] = heads
-    hidden = torch.randn(1, 1, target.config.hidden_size, generator=gen, device=device)
+    greedy = SamplingParams(temperature=0.0)
 
-    def step(heads: MedusaHeads) -> float:
-        x = hidden.to(next(heads.parameters()).dtype)
+    def maps(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randperm(vocab, generator=gen, device=device)[:n].sort().values
+        t2d = torch.zeros(vocab, dtype=torch.bool, device=device)
+        t2d[ids] = True
+        return ids - torch.arange(n, device=device), t2d
+
+    def medusa(target, dtype, n):
+        d2t, t2d = maps(n) if n else (None, None)
+        heads = MedusaHeads.from_target(target, num_heads=args.heads, d2t=d2t, t2d=t2d)
+        heads = heads.to(dtype).eval()
+        flatten_linear_inputs(heads)  # as evaluate runs drafters (the bf16 CPU kernel path)
+        x = torch.randn(1, 1, width, generator=gen, device=device).to(dtype)
+        return lambda: heads.target_ids(heads(x).argmax(-1)).tolist()
+
+    def eagle1(target, dtype, n):
+        cfg = EagleConfig.from_target(target.config, 1, draft_vocab_size=n or None)
+        d2t, t2d = maps(n) if n else (None, None)
+        drafter = build_drafter(target, cfg, d2t, t2d, dtype=dtype, seed=0).eval()
+        flatten_linear_inputs(drafter)
+        ids = torch.randint(0, vocab, (1, 1), generator=gen, device=device)
+        emb = drafter.embed(ids)
+        feat = torch.randn(1, 1, width, generator=gen, device=device).to(dtype)
+        pos = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+        def step():
+            _, logits = drafter(emb, feat, pos, return_logits=True)
+            drafter.target_ids(logits[0, -1].argmax(-1)).tolist()
+
+        return step
+
+    def draft_lm(target, dtype, n):
+        ids = maps(n)[1].nonzero().flatten() if n else None
+        model = layer_pruned_copy(target, [0]).to(dtype)
+        flatten_linear_inputs(model)
+        draft = DraftLM(model, target_vocab_size=vocab, vocab_ids=ids)
+        prompt = torch.randint(0, vocab, (1, args.context), generator=gen, device=device)
+        draft.start(prompt, None)
+        feed = prompt[:, -1:]
+
+        def step():
+            tok, _ = draft._draw(feed, greedy, None)
+            tok.tolist()
+            draft._cache.crop(-1)  # back to the same cached context every repetition
+
+        return step
+
+    makers = {"medusa": medusa, "eagle1": eagle1, "draft-lm": draft_lm}
+    unknown = sorted(set(args.drafters) - set(makers))
+    if unknown:
+        parser.error(f"--drafters: unknown {unknown}; choose from {sorted(makers)}")
+    variants = {}
+    for family in args.drafters:
+        for dtype_name, target in targets.items():
+            for n in [None, *args.draft_vocab]:
+                step = makers[family](target, getattr(torch, dtype_name), n)
+                variants[(family, dtype_name, n or vocab)] = step
+
+    def timed(step) -> float:
         t = clock()
-        heads.target_ids(heads(x).argmax(-1)).tolist()  # sync: the loop reads each draft once
+        step()  # each step reads its draft token on the host: the loop's one sync
         return clock() - t
 
     samples: dict = {key: [] for key in variants}
     with torch.inference_mode():
-        for heads in variants.values():  # warm-up
-            step(heads)
+        for step in variants.values():  # warm-up
+            timed(step)
         for _ in range(args.reps):
-            for key, heads in variants.items():
-                samples[key].append(step(heads))
+            for key, step in variants.items():
+                samples[key].append(timed(step))
     results = {}
-    for (dtype_name, n), values in samples.items():
+    for (family, dtype_name, n), values in samples.items():
         ms = statistics.median(values) * 1e3
-        full = statistics.median(samples[(dtype_name, vocab)]) * 1e3
-        results.setdefault(dtype_name, {})[str(n)] = {"ms": ms, "fraction_of_full": ms / full}
-        print(f"{dtype_name} vocab {n:>6}: {ms:.2f} ms per draft step ({ms / full:.2f} of full)")
+        full = statistics.median(samples[(family, dtype_name, vocab)]) * 1e3
+        results.setdefault(family, {}).setdefault(dtype_name, {})[str(n)] = {
+            "ms": ms,
+            "fraction_of_full": ms / full,
+        }
+        print(
+            f"{family:>8} {dtype_name} vocab {n:>6}: {ms:.2f} ms per draft token "
+            f"({ms / full:.2f} of full)"
+        )
     result = {
-        "benchmark": "Medusa greedy draft step (K heads over the last hidden state) by vocabulary",
+        "benchmark": "one greedy draft step per drafter family, by draft vocabulary",
+        "drafters": args.drafters,
+        "context": args.context,
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
         "heads": args.heads,
         "target_vocab": vocab,
         "threads": args.threads if is_cpu(device) else None,
         "reps": args.reps,
-        "unit": "ms per draft step (median)",
+        "unit": "ms per draft step (median; medusa: all K heads)",
         "results": results,
         "machine_load": {"before": load_before, "after": os.getloadavg()},
         **info,

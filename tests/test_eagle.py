@@ -142,8 +142,11 @@ def test_config_from_target_llama():
         old = {k: v for k, v in new.to_dict().items() if k != "feature_layers"}
         assert EagleConfig.from_dict({**old, "aux_layers": aux}) == new
 
-    with pytest.raises(ValueError, match="draft_vocab_size"):
-        EagleConfig.from_target(_smollm_like(), 1, draft_vocab_size=100)
+    # EAGLE-1 drafts over a draft vocabulary too (rows of the target head), never a larger one.
+    assert EagleConfig.from_target(_smollm_like(), 1, draft_vocab_size=100).reduced_vocab
+    for version in (1, 3):
+        with pytest.raises(ValueError, match="draft_vocab_size"):
+            EagleConfig.from_target(_smollm_like(), version, draft_vocab_size=49153)
     with pytest.raises(ValueError, match="feature_layers"):
         EagleConfig.from_target(_smollm_like(), 3, feature_layers=[2, 15, 31])
     with pytest.raises(ValueError, match="unknown EagleConfig field"):

@@ -366,3 +366,33 @@ def test_two_cpu_processes_train_and_resume_ddp_and_fsdp(tmp_path, tiny_target_d
     assert max(abs(x - y) / abs(y) for x, y in zip(la, lb, strict=True)) < 1e-4, (la, lb)
     ta, tb = a["final_validation"]["top1"], b["final_validation"]["top1"]
     assert max(abs(x - y) for x, y in zip(ta, tb, strict=True)) < 1e-3, (ta, tb)
+
+
+@pytest.mark.parametrize("stage", ["medusa1", "medusa2"])
+def test_val_data_chooses_best_and_the_tree(tmp_path, tiny_target_dir, stage):
+    """val_data's records are validated beside the split: their τ chooses best/ and the tree."""
+    held = tmp_path / "held.jsonl"
+    with open(held, "w") as f:
+        for i in range(5):
+            msgs = [  # answers the heads never saw
+                {"role": "user", "content": f"tell {i}"},
+                {"role": "assistant", "content": " ".join(reversed(WORDS))},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    over = {"stage": stage, "lora_r": 4, "save_every": 0} if stage == "medusa2" else {}
+    argv = args(tmp_path, tiny_target_dir, val_data=held, eval_every=2, **over)
+    assert train_medusa(argv) == 0
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert [v["step"] for v in metrics["validation"]] == [2, 4]
+    for entry in metrics["validation"]:
+        split, tau = entry["val_split/sim_tau"], entry["val/sim_tau"]
+        assert entry["val/sim_tau_gap"] == pytest.approx(split / tau - 1)
+    final, last = metrics["final_validation"], metrics["validation"][-1]
+    assert final["val_data_samples"] == 5 and final["split"]["val_samples"] == 4
+    # val/* (which choose best/) are val_data's figures, val_split/* the training records'; the
+    # final report, and with it the automatic tree, is val_data's.
+    assert last["val/head0_top1"] == pytest.approx(final["top1"][0])
+    assert last["val_split/head0_top1"] == pytest.approx(final["split"]["top1"][0])
+    assert last["val/tree_expected_tau"] == pytest.approx(
+        final["tree"]["expected_acceptance_length"]
+    )

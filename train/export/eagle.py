@@ -47,6 +47,13 @@ our drafter uses. When the draft vocabulary is the full vocabulary, ``d2t``/``t2
 out: vLLM creates its ``draft_id_to_target_id`` parameter only when the sizes differ and would
 reject an unexpected one.
 
+An EAGLE-1 drafter with a draft vocabulary (``draft_vocab_size < vocab_size``) drafts with those
+rows of the target's head only. vLLM's EAGLE-1 loader has no draft-vocabulary maps, so the
+``eagle`` export is its *full-vocabulary equivalent*: the same tensors without ``d2t``/``t2d``,
+drafting over the target's whole head. Its greedy output is the target's either way; its τ can
+only be at least ours (a full-vocabulary draft is never outside the vocabulary), at the cost of
+the full head per draft token.
+
 How EAGLE-3's aux layer ids are numbered for each server: see
 :mod:`draftsmith.train.export.eagle_config`.
 
@@ -141,9 +148,9 @@ def _expected_shapes(cfg: EagleConfig) -> dict[str, tuple[int, ...]]:
             "layers.0.hidden_norm.weight": (h,),
             "norm.weight": (h,),
             "lm_head.weight": (cfg.draft_vocab_size, h),
-            "d2t": (cfg.draft_vocab_size,),
-            "t2d": (cfg.vocab_size,),
         }
+    if cfg.version == 3 or cfg.reduced_vocab:
+        shapes |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     return shapes
 
 
@@ -162,6 +169,9 @@ def _from_export(name: str, fmt: str) -> str:
 
 
 def _full_vocab(cfg: EagleConfig) -> bool:
+    """Whether the export holds the full vocabulary (no maps written). Always for EAGLE-1: its
+    head is the target's, so its full-vocabulary equivalent is the drafter as it is (module
+    docstring)."""
     return cfg.version == 1 or cfg.draft_vocab_size == cfg.vocab_size
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...heads.draft_lm import load_draft_vocab
 from ..device import device_facts, resolve_device
 from ..errors import RunError
 from ..progress import hf_progress_bars
@@ -100,6 +101,13 @@ def model_card(info: dict[str, Any], out_name: str = "<this directory>") -> str:
         f"| loss | {_fmt(info.get('loss'))} |",
         f"| optimizer steps | {_fmt(info.get('steps'))} |",
     ]
+    if info.get("draft_vocab_size"):
+        lines.append(
+            f"| draft vocabulary | {info['draft_vocab_size']} tokens in draftsmith's loop "
+            f"(covering {_fmt(info.get('draft_vocab_coverage'))} of the training tokens); "
+            "written here as the full-vocabulary model, which servers draft with over every "
+            "token |"
+        )
     val = info.get("validation") or {}
     if val:
         lines += [
@@ -157,6 +165,7 @@ def save_draft(
     info: dict[str, Any] | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
     overwrite: bool = True,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
     """Write a draft as a ``save_pretrained`` directory with tokenizer and model card, atomically.
 
@@ -167,6 +176,8 @@ def save_draft(
         info: metadata for the model card, also stored as ``draftsmith_draft.json``.
         state_dict: weights to save instead of ``model.state_dict()`` (e.g. gathered from FSDP).
         overwrite: replace an existing ``out_dir``.
+        extra_files: more text files to write inside it, ``{name: text}`` (the draft
+            vocabulary, :data:`~draftsmith.heads.draft_lm.DRAFT_VOCAB_FILE`).
 
     Returns:
         ``out_dir`` as a Path.
@@ -184,6 +195,8 @@ def save_draft(
         info = dict(info or {})
         (tmp / INFO_FILE).write_text(json_text(info, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(info, out_name=str(out)))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
     return out
 
 
@@ -289,6 +302,12 @@ def export_hf(
         for key in ("target_note", "original_model", "target_revision"):
             info.pop(key, None)
     info.update(target_facts(target_name_or_path or info.get("target")))
+    try:
+        vocab_ids = load_draft_vocab(src, rows)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from exc
+    if vocab_ids is not None:  # not copied: the export is the full-vocabulary equivalent
+        info["draft_vocab_size"] = len(vocab_ids)
     info["exported_from"] = str(src)
     info["checked_on"] = device_facts(device)
     save_draft(model, tokenizer, out, info=info, overwrite=overwrite)

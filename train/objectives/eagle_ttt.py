@@ -28,6 +28,7 @@ from torch import nn
 
 from ...heads.base import unwrap_model
 from ...heads.eagle_model import EagleCache
+from ...heads.vocab_maps import vocab_target_ids
 from .acceptance import draft_loss
 
 __all__ = [
@@ -249,7 +250,15 @@ def eagle1_loss(
     token_loss = _masked_mean(_soft_ce(draft_logits, target_p), mask)
     loss = feature_weight * feature_loss + token_weight * token_loss
     with torch.no_grad():
-        hit = draft_logits.argmax(-1) == target_arg
+        if getattr(core, "has_vocab_maps", False):
+            # A draft vocabulary: the drafter drafts the argmax over its rows only, so the
+            # accuracy (and the simulated τ from it) is that token's. The cross-entropy above
+            # stays over the full head: it shapes the feature, and the head is the target's.
+            ids = vocab_target_ids(core.d2t).to(draft_logits.device)
+            drafted = ids[draft_logits.index_select(-1, ids).argmax(-1)]
+        else:
+            drafted = draft_logits.argmax(-1)
+        hit = drafted == target_arg
         acc = _masked_mean(hit.float(), mask)
         token_kl = token_loss.detach() - _masked_mean(_entropy(target_p), mask)
     metrics = {
