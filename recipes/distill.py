@@ -427,9 +427,11 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             vocab_note = {"draft_vocab_coverage": coverage(counts, t2d)}
             text = draft_vocab_text(t2d, coverage=vocab_note["draft_vocab_coverage"])
             vocab_files = {DRAFT_VOCAB_FILE: text}
+            ratio = compute_ratio(draft, target, draft_head_rows=cfg.draft_vocab_size)
             say(
                 f"draft vocab: {cfg.draft_vocab_size} tokens cover "
-                f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens"
+                f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens; drafting over "
+                f"them costs {ratio:.3f}x the target's FLOPs per token"
             )
         loader = torch.utils.data.DataLoader(
             train_set,

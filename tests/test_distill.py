@@ -220,6 +220,9 @@ def test_per_token_flops_counts_layers_lm_head_and_attention(target):
     assert per_token_flops(target, context=10) == per_token_flops(target) + 2 * 4 * (2 * 32 * 10)
     draft = pruned_draft(target, [0])
     assert compute_ratio(draft, target) == pytest.approx((9216 + 2048) / (4 * 9216 + 2048))
+    # A 16-token draft vocabulary computes 16 of the head's 64 rows: 16 x 32 = 512 MACs.
+    ratio = compute_ratio(draft, target, draft_head_rows=16)
+    assert ratio == pytest.approx((9216 + 512) / (4 * 9216 + 2048))
 
 
 def test_vocab_mismatch_error_names_sizes_and_first_differing_token(tmp_path):

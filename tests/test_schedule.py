@@ -248,7 +248,12 @@ def served_stage(tmp_path, monkeypatch):
 
 
 def test_served_stage_serves_the_recommended_schedule_and_checks_it(served_stage, capsys):
-    from draftsmith.train.report.served import SERVED_COLUMNS, served_lines, served_rows
+    from draftsmith.train.report.served import (
+        SERVED_COLUMNS,
+        schedule_markdown,
+        served_lines,
+        served_rows,
+    )
 
     run, started = served_stage
     result = run()
@@ -288,6 +293,11 @@ def test_served_stage_serves_the_recommended_schedule_and_checks_it(served_stage
     assert by_server[("ngram", "1")] == "k=3" and by_server[("ngram", "16")] == "off"
     assert by_server[("ngram schedule", "16")] == "**below** (plain 800.0)"
     assert by_server[("ngram schedule", "1")] == "ok (fixed 150.0)"
+    # The report's markdown names the schedule and the exact flag to serve it with.
+    md = schedule_markdown(result)
+    assert md[0] == "### Load schedule"
+    assert "- `ngram`: batch 1-8: k=3, batch 9-16: k=0" in md
+    assert f"  - serve with `--speculative-config '{arg}'`" in md
 
 
 def test_served_schedule_off_records_the_schedule_without_serving_it(served_stage):
@@ -300,7 +310,7 @@ def test_served_schedule_off_records_the_schedule_without_serving_it(served_stag
 
 
 def test_no_schedule_server_when_speculation_never_wins(served_stage, monkeypatch):
-    from draftsmith.train.report.served import served_lines
+    from draftsmith.train.report.served import schedule_markdown, served_lines
 
     monkeypatch.setitem(TPS, "fixed", {1: 90.0, 4: 250.0, 16: 600.0})
     run, started = served_stage
@@ -311,3 +321,6 @@ def test_no_schedule_server_when_speculation_never_wins(served_stage, monkeypatc
     lines = served_lines(result)
     assert any(line.startswith("schedule: ngram: don't speculate") for line in lines)
     assert not any("--speculative-config" in line for line in lines)
+    md = schedule_markdown(result)
+    assert any(line.startswith("- `ngram`: don't speculate") for line in md)
+    assert not any("--speculative-config" in line for line in md)

@@ -293,6 +293,16 @@ def compute_ratio(
     draft: PreTrainedModel | PretrainedConfig,
     target: PreTrainedModel | PretrainedConfig,
     context: int = 0,
+    draft_head_rows: int | None = None,
 ) -> float:
-    """Draft FLOPs per token ÷ target FLOPs per token (see :func:`per_token_flops`)."""
-    return per_token_flops(draft, context) / per_token_flops(target, context)
+    """Draft FLOPs per token ÷ target FLOPs per token (see :func:`per_token_flops`).
+
+    Args:
+        draft_head_rows: the draft's lm_head rows it computes per token (a draft vocabulary,
+            heads/draft_lm.py); None: the whole head.
+    """
+    flops = per_token_flops(draft, context)
+    if draft_head_rows is not None:
+        cfg = getattr(draft, "config", draft)  # a model, or its config
+        flops -= 2 * (cfg.vocab_size - draft_head_rows) * cfg.hidden_size
+    return flops / per_token_flops(target, context)

@@ -451,7 +451,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         lines += [markdown_table(cols, rows), ""]
     served = report.get("served")
     if served:
-        from .served import SERVED_COLUMNS, served_rows
+        from .served import SERVED_COLUMNS, schedule_markdown, served_rows
 
         version = served.get("vllm_version") or "?"
         lines += [
@@ -471,7 +471,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             "",
         ]
         lines += [f"- not served: {s['drafter']}: {s['reason']}" for s in served["skipped"]]
-        lines += [""]
+        lines += ["", *schedule_markdown(served)]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
     lines += [

@@ -681,6 +681,35 @@ def served_rows(served: dict[str, Any] | None) -> list[list[str]]:
     return rows
 
 
+def schedule_markdown(served: dict[str, Any] | None) -> list[str]:
+    """The report's load-schedule lines: per drafter, the recommendation from the served
+    levels and the exact ``--speculative-config`` to give ``vllm serve`` (none when the
+    drafter should not speculate at any measured load)."""
+    lines = []
+    for row in (served or {}).get("rows", []):
+        schedule = row.get("schedule")
+        if not schedule:
+            continue
+        lines.append(f"- `{row['label']}`: {schedule['summary']}")
+        if schedule.get("speculative_config_json"):
+            arg = shlex.join(["--speculative-config", schedule["speculative_config_json"]])
+            lines.append(f"  - serve with `{arg}`")
+        if schedule.get("error"):
+            lines.append(f"  - the schedule server failed: {schedule['error']}")
+    if lines:
+        lines = [
+            "### Load schedule",
+            "",
+            "The draft length per load that vLLM's `num_speculative_tokens_per_batch_size` "
+            "should follow, from the measured levels above (k = 0, plain decoding, where "
+            "speculation loses):",
+            "",
+            *lines,
+            "",
+        ]
+    return lines
+
+
 SERVED_COLUMNS = [
     "server",
     "concurrent",
