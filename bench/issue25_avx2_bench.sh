@@ -13,7 +13,7 @@ O=$R/bench25
 mkdir -p $O
 P="--prompts ../shared/data/alpaca_2k.jsonl --split heldout --max-new-tokens 64 --dtype float32 \
    --temperatures 0 0.7 --sampled-limit 20 --threads 1 --k 3 --tree-total-tokens 8"
-DR="medusa=$R/medusa1_avx2_${M}min_e6/best medusa-tree=$R/medusa1_avx2_${M}min_e6/best \
+DR="medusa=$R/medusa1_avx2_${M}min_e6/heads medusa-tree=$R/medusa1_avx2_${M}min_e6/heads \
    eagle=$R/eagle1_avx2_${M}min/best draft-lm=$R/distill_avx2_${M}min/best \
    eagle=$R/eagle3_avx2_${M}min/best eagle-tree=$R/eagle3_avx2_${M}min/best"
 draftsmith bench --drafter $DR $P --limit 60 --shard 0/2 --out $O/s0 > $O/s0.log 2>&1 &
@@ -21,10 +21,15 @@ draftsmith bench --drafter $DR $P --limit 60 --shard 1/2 --out $O/s1 > $O/s1.log
 wait
 draftsmith bench --merge $O/s0.json $O/s1.json --out $O/all --cost-profile bench/forward_cost_avx2_fp32_1thread.json \
    --training-logs $R/medusa1_avx2_${M}min_e6 $R/eagle1_avx2_${M}min $R/distill_avx2_${M}min $R/eagle3_avx2_${M}min
-D2="medusa=$R/medusa2_avx2_${M}min/best medusa-tree=$R/medusa2_avx2_${M}min/best"
+D2="medusa=$R/medusa2_avx2_${M}min/heads medusa-tree=$R/medusa2_avx2_${M}min/heads"  # Medusa-2 keeps no best/: its heads go with its final target
 draftsmith bench --drafter $D2 $P --limit 30 --shard 0/2 --out $O/m2_s0 --target $R/medusa2_avx2_${M}min/target > $O/m2_s0.log 2>&1 &
 draftsmith bench --drafter $D2 $P --limit 30 --shard 1/2 --out $O/m2_s1 --target $R/medusa2_avx2_${M}min/target > $O/m2_s1.log 2>&1
 wait
 draftsmith bench --merge $O/m2_s0.json $O/m2_s1.json --out $O/medusa2 --cost-profile bench/forward_cost_avx2_fp32_1thread.json \
    --training-logs $R/medusa2_avx2_${M}min
 echo BENCH25_DONE
+# vLLM serves every chain export of the first run (Medusa-1, EAGLE-1, the draft LM, EAGLE-3) at one
+# request in flight: τ against ours and outputs against plain vLLM.
+draftsmith bench --merge $O/s0.json $O/s1.json --out $O/served --cost-profile bench/forward_cost_avx2_fp32_1thread.json \
+   --vllm-python /work/venvs/vllm/bin/python --served-concurrency 1 --served-limit 16 --no-served-schedule
+echo SERVED25_DONE

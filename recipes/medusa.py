@@ -486,8 +486,15 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                 split_report = {**report, "val_samples": len(val_set)}
                 report = {**held_report, "val_data_samples": len(held_set), "split": split_report}
             logs, tau = held_out_validation(split, held)
-            save_best = None if medusa2 else save_heads  # Medusa-2 heads need their target
-            run.record_validation(step, logs, tau, save_best)
+
+            def save_best(path: Path) -> None:
+                # Like heads/: the config extras, and this validation's accuracies (the
+                # automatic tree of `medusa-tree=best` is built from them).
+                save_heads(path, extra)
+                run.write_json(path / ACCURACY_FILE, report)
+
+            # Medusa-2 keeps no best heads: they would need the target of their own step.
+            run.record_validation(step, logs, tau, None if medusa2 else save_best)
             gap = (
                 f" (training records {logs['val_split/sim_tau']:.3f}, "
                 f"{logs['val/sim_tau_gap']:+.0%})"
@@ -499,6 +506,13 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                 f"{[round(a, 3) for a in report['top1']]}"
             )
             return report
+
+        extra = {
+            "stage": cfg.stage,
+            "feature_layer": feature_layer,
+            "target_name_or_path": str(target_path),
+            "head_labels": cfg.head_labels,
+        }
 
         def save_heads(path: Path, extra: dict[str, Any] | None = None) -> None:
             with run.full_model(objective) as model:  # FSDP: gathered, collective
@@ -599,12 +613,6 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
             "final_validation": report,
             "data": str(cfg.data or cfg.hidden_states_cache),
             **info,
-        }
-        extra = {
-            "stage": cfg.stage,
-            "feature_layer": feature_layer,
-            "target_name_or_path": str(target_path),
-            "head_labels": cfg.head_labels,
         }
         if medusa2:
             # Medusa-2 outputs are lossless w.r.t. this merged fine-tuned target, not the

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.heads.medusa import load_medusa, medusa_proposer, medusa_target_dir
+from draftsmith.heads.medusa import load_accuracy, load_medusa, medusa_proposer, medusa_target_dir
 from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.recipes.medusa import main as train_medusa
 from draftsmith.train.config import ConfigError, load_config
@@ -396,3 +396,16 @@ def test_val_data_chooses_best_and_the_tree(tmp_path, tiny_target_dir, stage):
     assert last["val/tree_expected_tau"] == pytest.approx(
         final["tree"]["expected_acceptance_length"]
     )
+    best = tmp_path / "run" / "best"
+    if stage == "medusa2":  # its heads need the target of their own step: no best/
+        assert not best.exists()
+        return
+    # best/ is usable like heads/: the validation's accuracies (the automatic tree's input) and
+    # the config extras beside the weights.
+    chosen = max(metrics["validation"], key=lambda e: e["val/sim_tau"])
+    assert metrics["best"]["step"] == chosen["step"]
+    accuracy = json.loads((best / "head_accuracy.json").read_text())
+    assert accuracy["top1"][0] == pytest.approx(chosen["val/head0_top1"])
+    assert accuracy["val_data_samples"] == 5
+    assert json.loads((best / "config.json").read_text())["stage"] == "medusa1"
+    assert load_accuracy(best)["top1"] == accuracy["top1"]
