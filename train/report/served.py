@@ -681,18 +681,25 @@ def served_rows(served: dict[str, Any] | None) -> list[list[str]]:
     return rows
 
 
+def _schedules(served: dict[str, Any] | None):
+    """Each drafter's schedule: ``(label, schedule, arg)``, arg the shell-quoted
+    ``--speculative-config VALUE`` (None when the drafter should not speculate)."""
+    for row in (served or {}).get("rows", []):
+        schedule = row.get("schedule")
+        if schedule:
+            config = schedule.get("speculative_config_json")
+            arg = shlex.join(["--speculative-config", config]) if config else None
+            yield row["label"], schedule, arg
+
+
 def schedule_markdown(served: dict[str, Any] | None) -> list[str]:
     """The report's load-schedule lines: per drafter, the recommendation from the served
     levels and the exact ``--speculative-config`` to give ``vllm serve`` (none when the
     drafter should not speculate at any measured load)."""
     lines = []
-    for row in (served or {}).get("rows", []):
-        schedule = row.get("schedule")
-        if not schedule:
-            continue
-        lines.append(f"- `{row['label']}`: {schedule['summary']}")
-        if schedule.get("speculative_config_json"):
-            arg = shlex.join(["--speculative-config", schedule["speculative_config_json"]])
+    for label, schedule, arg in _schedules(served):
+        lines.append(f"- `{label}`: {schedule['summary']}")
+        if arg:
             lines.append(f"  - serve with `{arg}`")
         if schedule.get("error"):
             lines.append(f"  - the schedule server failed: {schedule['error']}")
@@ -738,14 +745,9 @@ def served_lines(served: dict[str, Any] | None) -> list[str]:
                 f"served: {label} c={c}: {tps} tok/s ({speedup}), latency p50/p95 {lat} s, "
                 f"τ {tau} (ours {ours}, gap {gap}), identical {same}"
             )
-    for row in served["rows"]:
-        schedule = row.get("schedule")
-        if not schedule:
-            continue
-        label = row["label"]
+    for label, schedule, arg in _schedules(served):
         lines.append(f"schedule: {label}: {schedule['summary']}")
-        if schedule.get("speculative_config_json"):
-            arg = shlex.join(["--speculative-config", schedule["speculative_config_json"]])
+        if arg:
             lines.append(f"schedule: {label}: {arg}")
         if schedule.get("error"):
             lines.append(f"schedule: {label}: {schedule['error']}")
