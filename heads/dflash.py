@@ -63,6 +63,7 @@ from .eagle_config import _rope_from_target, config_from_fields
 from .eagle_model import _MLP, RMSNorm, SharedTarget, _Rotary, _rotate_half
 from .families import eagle3_layers
 from .sampling import SamplingParams, choose
+from .vocab_maps import check_vocab_maps, spread_logits
 
 __all__ = [
     "DFLASH",
@@ -122,6 +123,10 @@ class DFlashConfig:
         train_k_norm: train each layer's ``k_norm``; off by default, see
             :class:`DFlashDrafter`.
         rope_scaling: extra RoPE parameters (HF ``rope_scaling`` dict), None for default RoPE.
+        draft_vocab_size: a draft vocabulary (FR-Spec; EAGLE-3's ``d2t``): the drafter scores
+            only these most frequent tokens, with their rows of the target's (frozen) head;
+            None or ``vocab_size`` = the whole vocabulary. The head is most of a block's cost
+            on a small target (B - 1 slots x V x H multiply-adds).
     """
 
     hidden_size: int
@@ -141,6 +146,7 @@ class DFlashConfig:
     block_size: int = 8
     train_k_norm: bool = False
     rope_scaling: dict[str, Any] | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
@@ -183,6 +189,9 @@ class DFlashConfig:
                 f"feature_layers {bad} outside [0, {n - 1}] (hidden-state indices of the "
                 f"residual stream; {n}, the final normed output, is not servable by vLLM)"
             )
+        dv = self.draft_vocab_size
+        if dv is not None and (not isinstance(dv, int) or not 1 <= dv <= self.vocab_size):
+            out.append(f"draft_vocab_size must be in [1, {self.vocab_size}] or None, got {dv!r}")
         if not isinstance(self.block_size, int) or self.block_size < 2:
             out.append(f"block_size must be >= 2 (anchor + draft slots), got {self.block_size!r}")
         if not isinstance(self.mask_token_id, int) or not 0 <= self.mask_token_id < self.vocab_size:
@@ -201,6 +210,7 @@ class DFlashConfig:
         num_layers: int = 2,
         block_size: int = 8,
         train_k_norm: bool = False,
+        draft_vocab_size: int | None = None,
     ) -> DFlashConfig:
         """A drafter config whose layers are shaped like the target's.
 
@@ -212,6 +222,7 @@ class DFlashConfig:
             num_layers: draft decoder layers.
             block_size: B.
             train_k_norm: see :class:`DFlashDrafter`.
+            draft_vocab_size: the draft vocabulary's size (None: the whole vocabulary).
         """
         c = target_config
         n = int(c.num_hidden_layers)
@@ -238,6 +249,11 @@ class DFlashConfig:
             num_layers=int(num_layers),
             block_size=int(block_size),
             train_k_norm=bool(train_k_norm),
+            draft_vocab_size=(
+                None
+                if draft_vocab_size is None or draft_vocab_size >= int(c.vocab_size)
+                else int(draft_vocab_size)
+            ),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,6 +264,11 @@ class DFlashConfig:
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
         """Build from :meth:`to_dict` output; unknown or missing keys are an error naming them."""
         return config_from_fields(cls, d)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the drafter scores fewer tokens than the target has (``d2t``/``t2d``)."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
 
     @property
     def train_layers(self) -> tuple[int, ...]:
@@ -383,6 +404,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList([_DecoderLayer(config) for _ in range(config.num_layers)])
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        if config.reduced_vocab:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[: config.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
         # Plain attribute (not a submodule): kept out of parameters() and state_dict().
         self.shared = SharedTarget(embed_tokens, lm_head)
         self._rope = _Rotary(config)
@@ -488,9 +514,28 @@ class DFlashDrafter(nn.Module):
         return self.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target lm_head on final hidden states ``[..., H]`` -> ``[..., V]``."""
+        """The target lm_head on final hidden states ``[..., H]`` -> ``[..., V]``, or with a
+        draft vocabulary its rows of those tokens only, ``[..., V_draft]`` (draft ids; see
+        :meth:`target_logits`, :meth:`target_ids`)."""
         head = self.shared.lm_head
-        return head(hidden.to(device=head.weight.device, dtype=head.weight.dtype))
+        hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
+        if not self.config.reduced_vocab:
+            return head(hidden)
+        # FR-Spec: the frozen rows are gathered once and kept beside the shared head.
+        return F.linear(hidden, self.shared.head_rows(self.d2t))
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """:meth:`logits` over the target vocabulary ``[..., V]``: ``-inf`` outside the draft
+        vocabulary (q = 0 there, so rejection sampling stays lossless); identity without one."""
+        if not self.config.reduced_vocab:
+            return logits
+        return spread_logits(logits, self.d2t, self.config.vocab_size)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (``i + d2t[i]``; identity without one)."""
+        if not self.config.reduced_vocab:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
 
 
 # --------------------------------------------------------------------------------------------
@@ -526,6 +571,8 @@ def build_drafter(
     dtype: torch.dtype = torch.float32,
     seed: int | None = None,
     init_std: float = 0.02,
+    d2t: torch.Tensor | None = None,
+    t2d: torch.Tensor | None = None,
 ) -> DFlashDrafter:
     """A freshly initialised drafter for ``target``.
 
@@ -538,8 +585,19 @@ def build_drafter(
         dtype: parameter dtype (float32 master weights for training).
         seed: seed of the random init (None: the global RNG).
         init_std: std of the random init.
+        d2t, t2d: the draft vocabulary's maps (:func:`draftsmith.train.data.vocab.draft_vocab`),
+            required when ``cfg.draft_vocab_size`` is smaller than the vocabulary.
+
+    Raises:
+        ValueError: the maps are missing or do not describe ``cfg``'s draft vocabulary.
     """
     _check_target(cfg, target.config)
+    if cfg.reduced_vocab:
+        if d2t is None or t2d is None:
+            raise ValueError(f"draft_vocab_size {cfg.draft_vocab_size} needs its d2t and t2d maps")
+        check_vocab_maps(d2t, t2d, cfg.draft_vocab_size, cfg.vocab_size)
+    elif d2t is not None or t2d is not None:
+        raise ValueError("d2t/t2d given, but the config drafts over the whole vocabulary")
     embed, head = _shared(target)
     # Drawn on the CPU (then moved), so a seed gives the same drafter on any device.
     gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
@@ -547,6 +605,9 @@ def build_drafter(
     for module in drafter.modules():
         if isinstance(module, nn.Linear):
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * init_std)
+    if cfg.reduced_vocab:
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
     return drafter.to(device=embed.weight.device, dtype=dtype)
 
 
@@ -627,6 +688,11 @@ def load_drafter(
             f"{w_path}: tensors do not match {cfg_path}: missing {missing}, "
             f"unexpected {unexpected}, wrong shape {shapes}"
         )
+    if cfg.reduced_vocab:
+        try:
+            check_vocab_maps(state["d2t"], state["t2d"], cfg.draft_vocab_size, cfg.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"{w_path}: {e}") from e
     saved_dtype = state["fc.weight"].dtype
     drafter = drafter.to(saved_dtype)
     drafter.load_state_dict(state)
@@ -744,7 +810,8 @@ class DFlashProposer:
         hidden = self.block_hidden(ids)
         if n < 1:
             return Proposal(tokens=torch.empty(0, dtype=torch.long, device=ids.device))
-        logits = self.drafter.logits(hidden[1 : 1 + n]).float()  # [n, V]
+        d = self.drafter
+        logits = d.target_logits(d.logits(hidden[1 : 1 + n]).float())  # [n, V]
         self.last_logits = logits
         tokens, probs = choose(logits, sampling, generator)
         return Proposal(tokens=tokens, probs=probs)

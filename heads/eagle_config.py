@@ -97,6 +97,13 @@ class EagleConfig:
             feature ``mask_hidden``, so one forward drafts all k positions (vLLM's
             ``parallel_drafting``, which reads this id as the drafter's ``mask_token_id``).
             None: one position per forward (EAGLE-1 / EAGLE-3).
+        fc_norm: EAGLE-3.1 (arXiv 2605.09992; vLLM's and speculators' ``fc_norm``): an RMSNorm
+            on each of the 3 target features before ``fc``, ``fc(concat(norm_i(f_i)))``, so the
+            layers weigh alike whatever their scale (SmolLM2's deep layers are ~10x the shallow
+            ones). EAGLE-3 only.
+        norm_output: EAGLE-3.1's other half (``norm_output``): the drafter's output is the
+            *post*-final-norm state, fed to the next draft step and to ``lm_head`` as it is,
+            which stops the magnitude drift of deep draft steps. EAGLE-3 only.
     """
 
     version: int
@@ -116,6 +123,8 @@ class EagleConfig:
     norm_before_residual: bool = False
     rope_scaling: dict[str, Any] | None = None
     mask_token_id: int | None = None
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         self.feature_layers = tuple(int(i) for i in self.feature_layers)
@@ -137,6 +146,8 @@ class EagleConfig:
         if self.version == 1:
             if self.mask_token_id is not None:
                 out.append("parallel drafting (mask_token_id) is for EAGLE-3 drafters (P-EAGLE)")
+            if self.fc_norm or self.norm_output:
+                out.append("fc_norm and norm_output (EAGLE-3.1) are EAGLE-3 variants")
             if self.feature_layers != (n,):
                 out.append(
                     f"EAGLE-1 reads the final feature only; feature_layers must be [{n}], "
@@ -150,6 +161,10 @@ class EagleConfig:
             bad = [i for i in self.feature_layers if not 0 <= i <= n]
             if bad:
                 out.append(f"feature_layers {bad} outside the hidden-state indices [0, {n}]")
+            if self.mask_token_id is not None and (self.fc_norm or self.norm_output):
+                # vLLM 0.32's peagle config reader passes neither field on: a P-EAGLE drafter
+                # trained with them would be served without them.
+                out.append("fc_norm and norm_output (EAGLE-3.1) are not served for P-EAGLE")
             if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.vocab_size:
                 out.append(
                     f"mask_token_id must be a token id in [0, {self.vocab_size}), "
@@ -171,6 +186,8 @@ class EagleConfig:
         feature_layers: Sequence[int] | None = None,
         norm_before_residual: bool = False,
         mask_token_id: int | None = None,
+        fc_norm: bool = False,
+        norm_output: bool = False,
     ) -> EagleConfig:
         """A drafter config shaped like one decoder layer of the target.
 
@@ -185,6 +202,8 @@ class EagleConfig:
             norm_before_residual: see the class docstring.
             mask_token_id: P-EAGLE: the placeholder token of parallel drafting (see the class
                 docstring); None for a drafter that drafts one position per forward.
+            fc_norm: EAGLE-3.1's per-feature norms before ``fc`` (class docstring).
+            norm_output: EAGLE-3.1's post-norm output (class docstring).
         """
         c = target_config
         n = int(c.num_hidden_layers)
@@ -211,6 +230,8 @@ class EagleConfig:
             feature_layers=tuple(feature_layers),
             norm_before_residual=norm_before_residual,
             mask_token_id=mask_token_id,
+            fc_norm=fc_norm,
+            norm_output=norm_output,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,7 +20,13 @@ export is a rename-free copy:
 ``d2t`` (int64 ``[V_draft]``), ``t2d`` (bool)    buffers (saved): EAGLE-3, and EAGLE-1 with a
                                                  draft vocabulary (``V_draft < V``)
 ``mask_hidden`` ``[1, 3H]``                      P-EAGLE only: the placeholder feature
+``fc_norm.{0,1,2}.weight``                       EAGLE-3.1 (``fc_norm``) only: one RMSNorm per
+                                                 fused feature, before ``fc``
 ===============================================  =========================================
+
+EAGLE-3.1 (``fc_norm`` and ``norm_output`` in the config, vLLM's and speculators' names) adds
+no tensor for ``norm_output``: the final ``norm`` moves from the head into the step, so the
+drafter's output (the next step's feature and the head's input) is the post-norm state.
 
 P-EAGLE (parallel drafting) is an EAGLE-3 drafter whose config names a ``mask_token_id``: draft
 positions after the first read ``(fc(mask_hidden), embed(mask_token_id))`` instead of the
@@ -319,6 +325,10 @@ class EagleDrafter(nn.Module):
             t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
             t2d[: config.draft_vocab_size] = True
             self.register_buffer("t2d", t2d)
+        if config.fc_norm:
+            # EAGLE-3.1: each target feature normed on its own before fusing (vLLM applies
+            # them to the 3 equal chunks of the concatenated aux hidden states).
+            self.fc_norm = nn.ModuleList(RMSNorm(h, config.rms_norm_eps) for _ in range(3))
         if config.parallel:
             # P-EAGLE's placeholder feature, in the fused-feature space (3H) so that ``fc`` maps
             # it like a target feature, as vLLM does once at load.
@@ -389,14 +399,19 @@ class EagleDrafter(nn.Module):
                 use inside ``forward``, which DDP wrappers prefer).
 
         Returns:
-            ``(hidden [B, T, H], logits [B, T, V_draft] or None)``. ``hidden`` is pre-norm: it
-            is the next step's feature input.
+            ``(hidden [B, T, H], logits [B, T, V_draft] or None)``. ``hidden`` is the next
+            step's feature input: pre-norm, or post-norm with ``norm_output`` (EAGLE-3.1).
         """
         h = self.config.hidden_size
         features = features.to(self.dtype)
         inputs_embeds = inputs_embeds.to(self.dtype)
         if self.config.version == 3:
             if features.shape[-1] == 3 * h:
+                if self.config.fc_norm:
+                    parts = features.split(h, dim=-1)
+                    features = torch.cat(
+                        [n(f) for n, f in zip(self.fc_norm, parts, strict=True)], dim=-1
+                    )
                 hidden = self.fc(features)
             elif features.shape[-1] == h:
                 hidden = features
@@ -418,6 +433,8 @@ class EagleDrafter(nn.Module):
         rope = self._rope(position_ids.to(hidden.device), hidden.dtype)
         for layer in self.layers:
             hidden = layer(inputs_embeds, hidden, rope, attention_mask, cache)
+        if self.config.norm_output:
+            hidden = self.norm(hidden)  # EAGLE-3.1: the post-norm state goes on (and to the head)
         return hidden, (self.logits(hidden) if return_logits else None)
 
     def placeholders(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,12 +454,13 @@ class EagleDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits of drafter outputs.
 
-        EAGLE-3: ``lm_head(norm(hidden))`` over the draft vocabulary ``[..., V_draft]``.
+        EAGLE-3: ``lm_head(norm(hidden))`` over the draft vocabulary ``[..., V_draft]``;
+        ``lm_head(hidden)`` with ``norm_output`` (EAGLE-3.1: :meth:`forward` has normed it).
         EAGLE-1: the target's head applied to the predicted feature directly (the feature it
         imitates is already the target's final *normed* output), ``[..., V]``.
         """
         if self.config.version == 3:
-            return self.lm_head(self.norm(hidden))
+            return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
         head = self.shared.lm_head
         hidden = hidden.to(device=head.weight.device, dtype=head.weight.dtype)
         if not self.has_vocab_maps:

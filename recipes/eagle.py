@@ -56,6 +56,7 @@ from ..train.core.data import (
     check_enough_data,
     default_mask_token,
     eos_ids,
+    first_records,
     input_errors,
     load_samples,
     split_indices,
@@ -84,7 +85,9 @@ class EagleTrainConfig(TrainConfig):
         "distill`); online mode",
     )
     split: str | None = cfg_field("train", help="keep only records of this split (None = all)")
-    limit: int | None = cfg_field(None, help="use the first N training records only", ge=1)
+    limit: int | None = cfg_field(
+        None, help="use the first N training records only (offline: the cache's first N)", ge=1
+    )
     max_length: int = cfg_field(512, help="truncate samples to this many tokens", ge=1)
     hidden_states: str = cfg_field(
         "online",
@@ -128,6 +131,16 @@ class EagleTrainConfig(TrainConfig):
         "none of BOS/EOS/pad, else another special token)",
         ge=0,
     )
+    fc_norm: bool = cfg_field(
+        False,
+        help="EAGLE-3.1 (version 3): an RMSNorm on each fused target feature before fc "
+        "(arXiv 2605.09992; served by vLLM from the speculators export)",
+    )
+    norm_output: bool = cfg_field(
+        False,
+        help="EAGLE-3.1 (version 3): the drafter passes its post-norm state to the next draft "
+        "step and the head (fc_norm + norm_output = EAGLE-3.1)",
+    )
     ttt_steps: int = cfg_field(7, help="EAGLE-3 training-time-test unroll steps", ge=1)
     ttt_decay: float = cfg_field(
         0.8, help="EAGLE-3 loss weight of step j is ttt_decay ** j", gt=0, le=1
@@ -159,6 +172,13 @@ class EagleTrainConfig(TrainConfig):
             problems.append(("hidden_states_cache", "offline hidden states need a cache dir"))
         if self.version == 1 and self.parallel_drafting:
             problems.append(("parallel_drafting", "P-EAGLE drafts with EAGLE-3: set version: 3"))
+        for name in ("fc_norm", "norm_output"):
+            if getattr(self, name) and self.version == 1:
+                problems.append((name, "EAGLE-3.1's variants are for version 3"))
+            elif getattr(self, name) and self.parallel_drafting:
+                problems.append(
+                    (name, "vLLM 0.32 serves P-EAGLE without EAGLE-3.1's variants: leave it off")
+                )
         if self.mask_token_id is not None and not self.parallel_drafting:
             problems.append(("mask_token_id", "only parallel drafting (P-EAGLE) uses it"))
         if self.version == 1 and self.loss != "kl":
@@ -241,6 +261,8 @@ def train(cfg: EagleTrainConfig) -> int:
             feature_layers=cfg.feature_layers,
             draft_vocab_size=cfg.draft_vocab_size,
             mask_token_id=mask_token_id,
+            fc_norm=cfg.fc_norm,
+            norm_output=cfg.norm_output,
         )
         # What the target provides to training: the drafter's feature layers plus the last
         # one, whose target head gives the labels.
@@ -281,6 +303,10 @@ def train(cfg: EagleTrainConfig) -> int:
                 expect=expect,
             )
             count_source = src.dataset.token_view()  # the cached tokens (a HiddenStateCache)
+        if cfg.hidden_states == "offline":
+            # limit: the cache's first N records, as online mode keeps the first N records.
+            src.dataset = first_records(src.dataset, cfg.limit)
+            count_source = first_records(count_source, cfg.limit)
         train_idx, val_idx = split_indices(len(src.dataset), cfg.val_samples, cfg.seed)
         check_enough_data(
             len(src.dataset),
@@ -338,6 +364,12 @@ def train(cfg: EagleTrainConfig) -> int:
                     f"{'with' if drafter.config.parallel else 'without'} parallel drafting; "
                     f"the config sets parallel_drafting: {cfg.parallel_drafting}"
                 )
+            for name in ("fc_norm", "norm_output"):
+                if getattr(drafter.config, name) != getattr(cfg, name):
+                    raise UsageError(
+                        f"{name}: the config sets {getattr(cfg, name)}, the drafter in "
+                        f"init_from {cfg.init_from} has {getattr(drafter.config, name)}"
+                    )
         else:
             drafter = build_drafter(target, eagle_cfg, d2t=d2t, t2d=t2d)
         drafter.train()

@@ -10,7 +10,10 @@ vocabulary and each ``--draft-vocab`` size, in each ``--dtypes``, interleaved pe
 
 - ``medusa``: K heads' residual blocks and projections over the last verified hidden state;
 - ``eagle1``: one EAGLE-1 drafter forward over one position and its head (the target's rows);
-- ``draft-lm``: one token of a 1-layer pruned draft LM with a KV cache of ``--context`` tokens.
+- ``draft-lm``: one token of a 1-layer pruned draft LM with a KV cache of ``--context`` tokens;
+- ``dflash``: one block of ``--block`` (the anchor + B - 1 draft tokens) of a 2-layer DFlash
+  drafter over ``--context`` cached context positions, and its head over the B - 1 slots (a
+  DFlash step drafts B - 1 tokens: its ms are per step, not per token).
 
 Run::
 
@@ -32,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafters", nargs="+", default=["medusa", "eagle1", "draft-lm"])
     parser.add_argument("--heads", type=int, default=4, help="medusa: heads")
-    parser.add_argument("--context", type=int, default=128, help="draft-lm: cached tokens")
+    parser.add_argument("--context", type=int, default=128, help="draft-lm, dflash: context")
+    parser.add_argument("--block", type=int, default=8, help="dflash: block size B")
     parser.add_argument("--draft-vocab", type=int, nargs="+", default=[8192, 4096])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/draft_vocab_cpu.json")
     args = parser.parse_args(argv)
 
+    from draftsmith.heads.dflash import DFlashConfig, DFlashProposer
+    from draftsmith.heads.dflash import build_drafter as build_dflash
     from draftsmith.heads.draft_lm import DraftLM, layer_pruned_copy
     from draftsmith.heads.eagle import EagleConfig, build_drafter
     from draftsmith.heads.medusa import MedusaHeads
@@ -112,7 +118,27 @@ def main(argv: list[str] | None = None) -> int:
 
         return step
 
-    makers = {"medusa": medusa, "eagle1": eagle1, "draft-lm": draft_lm}
+    def dflash(target, dtype, n):
+        cfg = DFlashConfig.from_target(
+            target.config, mask_token_id=0, block_size=args.block, draft_vocab_size=n
+        )
+        d2t, t2d = maps(n) if n else (None, None)
+        drafter = build_dflash(target, cfg, dtype=dtype, seed=0, d2t=d2t, t2d=t2d).eval()
+        flatten_linear_inputs(drafter)
+        proposer = DFlashProposer(drafter)
+        ids = torch.randint(0, vocab, (1, args.context + 1), generator=gen, device=device)
+        feats = {
+            i: torch.randn(1, args.context, width, generator=gen, device=device).to(dtype)
+            for i in cfg.feature_layers
+        }
+        proposer.start(ids[:, :-1], feats)  # the context K/V are projected on the first step
+
+        def step():
+            proposer.propose(ids, args.block - 1, greedy, None).tokens.tolist()
+
+        return step
+
+    makers = {"medusa": medusa, "eagle1": eagle1, "draft-lm": draft_lm, "dflash": dflash}
     unknown = sorted(set(args.drafters) - set(makers))
     if unknown:
         parser.error(f"--drafters: unknown {unknown}; choose from {sorted(makers)}")
@@ -144,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "fraction_of_full": ms / full,
         }
         print(
-            f"{family:>8} {dtype_name} vocab {n:>6}: {ms:.2f} ms per draft token "
+            f"{family:>8} {dtype_name} vocab {n:>6}: {ms:.2f} ms per draft step "
             f"({ms / full:.2f} of full)"
         )
     result = {
@@ -156,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "target_vocab": vocab,
         "threads": args.threads if is_cpu(device) else None,
         "reps": args.reps,
-        "unit": "ms per draft step (median; medusa: all K heads)",
+        "block": args.block,
+        "unit": "ms per draft step (median; medusa: all K heads; dflash: one block of B - 1)",
         "results": results,
         "machine_load": {"before": load_before, "after": os.getloadavg()},
         **info,

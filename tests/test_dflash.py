@@ -26,6 +26,7 @@ from draftsmith.heads.dflash import (
 )
 from draftsmith.heads.sampling import SamplingParams, logits_to_probs, sample
 from draftsmith.recipes.dflash import main as train_dflash
+from draftsmith.train.data.vocab import draft_vocab
 from draftsmith.train.decoding.speculative import generate
 from draftsmith.train.objectives.dflash import (
     block_forward,
@@ -396,14 +397,17 @@ class OffByOneSlot(DFlashProposer):
 
     def propose(self, ids, k, sampling, generator):
         n = min(k, self.block_size - 1)
-        q = logits_to_probs(self.drafter.logits(self.block_hidden(ids)).float(), sampling)
+        d = self.drafter
+        q = logits_to_probs(d.target_logits(d.logits(self.block_hidden(ids)).float()), sampling)
         return Proposal(sample(q[1 : 1 + n], generator), q[:n])
 
 
-def test_sampled_output_follows_the_target_distribution():
+@pytest.mark.parametrize("draft_vocab_size", [None, 5])
+def test_sampled_output_follows_the_target_distribution(draft_vocab_size):
     """χ² on the first three tokens (test_tree_sampling's check; the first draft step proposes
-    2 slots) with a drafter trained on the vocab-8 target; the same check rejects a proposer
-    that reports the q of the wrong slots."""
+    2 slots) with a drafter trained on the vocab-8 target, over the whole vocabulary or a draft
+    vocabulary of 5 (q = 0 for the other 3 tokens); the same check rejects a proposer that
+    reports the q of the wrong slots."""
     model = tiny_llama(vocab_size=8, layers=2, seed=11, init_std=0.3)
     sampling = SamplingParams(temperature=1.0)
     g = gen(0)
@@ -420,9 +424,17 @@ def test_sampled_output_follows_the_target_distribution():
         "hidden_states": _features(model, ids),
     }
     cfg = DFlashConfig.from_target(
-        model.config, mask_token_id=7, feature_layers=(0, 1), block_size=4, num_layers=1
+        model.config,
+        mask_token_id=7,
+        feature_layers=(0, 1),
+        block_size=4,
+        num_layers=1,
+        draft_vocab_size=draft_vocab_size,
     )
-    drafter = build_drafter(model, cfg, seed=0)
+    d2t = t2d = None
+    if draft_vocab_size:
+        d2t, t2d = draft_vocab(torch.bincount(ids.flatten(), minlength=8), draft_vocab_size)
+    drafter = build_drafter(model, cfg, seed=0, d2t=d2t, t2d=t2d)
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(80):
         loss, _ = dflash_loss(drafter, batch, model.lm_head, max_anchors=16, generator=g)
@@ -432,7 +444,7 @@ def test_sampled_output_follows_the_target_distribution():
     drafter.eval()
     stat, critical, accepted = chi2_check(model, DFlashProposer(drafter), sampling, draws=1000)
     assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
-    assert accepted[0] > 500 and accepted[1] > 200  # the drafts are really used
+    assert accepted[0] > 400 and accepted[1] > 150  # the drafts are really used
     stat, critical, _ = chi2_check(model, OffByOneSlot(drafter), sampling, draws=1000)
     assert stat > critical, f"wrong-slot q not rejected: chi2 {stat:.1f} < {critical:.1f}"
 
@@ -464,7 +476,7 @@ def base_args(tmp_path, target_dir, **over) -> list[str]:
 
 
 def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir):
-    assert train_dflash(base_args(tmp_path, tiny_target_dir)) == 0
+    assert train_dflash(base_args(tmp_path, tiny_target_dir, draft_vocab_size=64)) == 0
     run = tmp_path / "run"
     metrics = json.loads((run / "training_metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["stop_reason"] == "done"
@@ -477,6 +489,10 @@ def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir):
     assert 1 <= val["val/sim_tau"] <= 4
     drafter = load_drafter(run / "drafter", target)
     assert drafter.config.block_size == 4 and drafter.config.mask_token_id == tokenizer.pad_token_id
+    # A draft vocabulary of the 64 most frequent supervised tokens, EOS among them.
+    assert drafter.config.draft_vocab_size == 64 and drafter.t2d.sum() == 64
+    assert metrics["draft_vocab_size"] == 64 and 0.5 < metrics["draft_vocab_coverage"] <= 1
+    assert drafter.t2d[tokenizer.eos_token_id]
     n = target.config.num_hidden_layers
     assert metrics["feature_layers"] == [2, n // 2, n - 3]
     assert metrics["train_layers"] == sorted({2, n // 2, n - 3, n})
@@ -484,7 +500,7 @@ def test_recipe_trains_saves_and_resumes(tmp_path, tiny_target_dir):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
     # Resume: more steps continue from step 4.
-    assert train_dflash(base_args(tmp_path, tiny_target_dir, max_steps=6)) == 0
+    assert train_dflash(base_args(tmp_path, tiny_target_dir, max_steps=6, draft_vocab_size=64)) == 0
     resumed = json.loads((run / "training_metrics.json").read_text())
     assert resumed["steps"] == 6 and resumed["resumed_from"] == 4
     assert [e["step"] for e in resumed["train_log"]] == [2, 4, 6]
@@ -524,3 +540,37 @@ def test_val_data_validates_like_the_evaluation(tmp_path, tiny_target_dir):
         assert v["val/sim_tau_gap"] == pytest.approx(0.0, abs=1e-5)
     best = max(metrics["validation"], key=lambda v: v["val/sim_tau"])
     assert metrics["best"]["sim_tau"] == pytest.approx(best["val/sim_tau"])
+
+
+def test_draft_vocabulary_drafts_only_its_tokens_and_stays_lossless(tgt):
+    """A draft vocabulary (FR-Spec): logits over its N rows of the target head, the target's
+    own greedy output whatever the drafter misses, and the loss trains over those rows."""
+    batch = _batch(tgt)
+    counts = torch.bincount(batch["input_ids"].flatten(), minlength=64)
+    d2t, t2d = draft_vocab(counts, 24)
+    drafter = build_drafter(
+        tgt, _config(tgt, draft_vocab_size=24), seed=1, init_std=0.02, d2t=d2t, t2d=t2d
+    )
+    hidden = torch.randn(3, tgt.config.hidden_size)
+    rows = tgt.lm_head.weight[torch.arange(24) + d2t]
+    torch.testing.assert_close(drafter.logits(hidden), hidden @ rows.T)
+    full = drafter.target_logits(drafter.logits(hidden))
+    assert full.shape == (3, 64) and torch.isinf(full[:, ~t2d]).all()
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, metrics = dflash_loss(drafter, batch, tgt.lm_head, max_anchors=16, generator=gen(0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0]
+    assert 0 < float(metrics["acc_0"]) <= 1  # hits are counted in target ids
+    drafter.eval()
+    for seed in range(2):
+        prompt = torch.randint(0, 64, (PROMPT_LEN,), generator=gen(seed))
+        ref = generate(tgt, prompt, None, max_new_tokens=24).tokens
+        out = generate(tgt, prompt, DFlashProposer(drafter), k=BLOCK - 1, max_new_tokens=24)
+        assert out.tokens == ref
+    with pytest.raises(ValueError, match="d2t and t2d"):
+        build_drafter(tgt, _config(tgt, draft_vocab_size=24), seed=1)

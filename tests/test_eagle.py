@@ -429,3 +429,63 @@ def test_load_errors_name_file_and_field(tgt, trained, tmp_path):
     (out / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
         load_drafter(out, tgt)
+
+
+# --------------------------------------------------------------------------------------------
+# EAGLE-3.1: fc_norm and norm_output
+# --------------------------------------------------------------------------------------------
+
+
+def test_eagle31_norms_each_feature_and_passes_the_post_norm_state(tgt, data):
+    """fc_norm makes the fusion blind to each feature's scale; norm_output hands on the
+    post-norm state; trained, the drafter learns and its greedy output stays the target's."""
+    cfg = EagleConfig.from_target(
+        tgt.config, 3, feature_layers=[1, 2, 3], fc_norm=True, norm_output=True
+    )
+    drafter = build_drafter(tgt, cfg, seed=0).eval()
+    assert [n for n, _ in drafter.named_parameters() if n.startswith("fc_norm")] == [
+        f"fc_norm.{i}.weight" for i in range(3)
+    ]
+    h = tgt.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    ids, feats = torch.randint(0, 64, (1, 5), generator=g), torch.randn(1, 5, 3 * h, generator=g)
+    pos = torch.arange(5)[None]
+    scaled = feats.clone()
+    scaled[..., h : 2 * h] *= 30.0  # one layer 30x louder, as deep target layers are
+    with torch.no_grad():
+        out, logits = drafter(drafter.embed(ids), feats, pos, return_logits=True)
+        out_scaled, _ = drafter(drafter.embed(ids), scaled, pos)
+        plain = build_drafter(tgt, _config(tgt, 3), seed=0).eval()
+        plain.load_state_dict(drafter.state_dict(), strict=False)
+        ref, _ = plain(plain.embed(ids), feats, pos)
+        ref_scaled, _ = plain(plain.embed(ids), scaled, pos)
+    torch.testing.assert_close(out_scaled, out, rtol=1e-4, atol=1e-5)
+    assert (ref_scaled - ref).abs().max() > 1e-2  # without fc_norm the scale matters
+    # norm_output: the output is norm(pre-norm state) (unit RMS before the norm's gain), and
+    # the head reads it as it is.
+    torch.testing.assert_close(
+        (out / drafter.norm.weight).pow(2).mean(-1), torch.ones(1, 5), rtol=1e-3, atol=1e-3
+    )
+    torch.testing.assert_close(logits, drafter.lm_head(out))
+
+    losses = _train(tgt, drafter, data, 40)
+    assert losses[-1] < losses[0] - 0.5  # soft CE of a random target: its entropy is ~9.8
+    drafter.eval()
+    for prompt in _prompts(2):
+        ref_tokens = generate(tgt, prompt, None, max_new_tokens=24).tokens
+        for tree in (False, True):
+            out = generate(tgt, prompt, EagleProposer(drafter, tree=tree), k=3, max_new_tokens=24)
+            assert out.tokens == ref_tokens, tree
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"version": 1, "fc_norm": True}, "EAGLE-3 variants"),
+        ({"norm_output": True, "mask_token_id": 3}, "P-EAGLE"),
+    ],
+)
+def test_eagle31_refused_where_it_is_not_served(tgt, kw, match):
+    version = kw.pop("version", 3)
+    with pytest.raises(ValueError, match=match):
+        EagleConfig.from_target(tgt.config, version, **kw)

@@ -263,3 +263,44 @@ def test_lk_loss_trains_and_reports_acceptance(tmp_path, tiny_target_dir, capsys
     assert all(0 <= v["val/alpha_0"] <= 1 for v in metrics["validation"])
     assert train_eagle(base_args(tmp_path, tiny_target_dir, 1, loss="tv")) == 2
     assert "loss: EAGLE-1" in capsys.readouterr().err
+
+
+def test_limit_keeps_the_caches_first_records(tmp_path, tiny_target_dir):
+    """limit reads the first N records of a hidden-state cache, as it does of online records:
+    the same samples train, and the draft vocabulary is counted on those N only."""
+    from draftsmith.train.core.data import load_samples
+    from draftsmith.train.data.chat import template_fingerprint
+    from draftsmith.train.features.cache_write import build_cache
+
+    target, tokenizer = load_target(str(tiny_target_dir))
+    data = write_records(tmp_path / "data.jsonl")
+    tokens, _ = load_samples(data, tokenizer, max_length=96, split="all")
+    n = target.config.num_hidden_layers
+    build_cache(
+        target,
+        tokens,
+        tmp_path / "cache",
+        list(range(n + 1)),
+        dtype="fp32",
+        template_fingerprint=template_fingerprint(tokenizer),
+        progress=False,
+    )
+    common = {"split": "all", "limit": 14, "max_steps": 2, "draft_vocab_size": 40}
+    assert train_eagle(base_args(tmp_path, tiny_target_dir, 3, **common)) == 0
+    offline = base_args(
+        tmp_path,
+        tiny_target_dir,
+        3,
+        hidden_states="offline",
+        hidden_states_cache=tmp_path / "cache",
+        output_dir=tmp_path / "off",
+        **common,
+    )
+    assert train_eagle(offline) == 0
+    on = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    off = json.loads((tmp_path / "off" / "training_metrics.json").read_text())
+    assert on["train_samples"] == off["train_samples"] == 14 - 4
+    assert on["draft_vocab_coverage"] == off["draft_vocab_coverage"]
+    d_on = load_drafter(tmp_path / "run" / "drafter", target)
+    d_off = load_drafter(tmp_path / "off" / "drafter", target)
+    assert (d_on.d2t == d_off.d2t).all()

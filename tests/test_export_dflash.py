@@ -257,3 +257,41 @@ def test_cli(tmp_path, tiny_target_dir, capsys):
     # Exists already, no --overwrite: a clear error, exit 2.
     assert export_main(argv) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def _vocab_drafter(target, n: int = 40):
+    """A drafter over a scattered draft vocabulary of n tokens (d2t far from zero)."""
+    from draftsmith.train.data.vocab import draft_vocab
+
+    counts = torch.randperm(V, generator=torch.Generator().manual_seed(5)).float()
+    d2t, t2d = draft_vocab(counts, n)
+    args = {"mask_token_id": 63, "feature_layers": AUX, "num_layers": 2, "block_size": B}
+    cfg = DFlashConfig.from_target(target.config, draft_vocab_size=n, **args)
+    return build_drafter(target, cfg, seed=1, init_std=0.1, d2t=d2t, t2d=t2d).eval()
+
+
+def test_draft_vocabulary_ships_its_head_rows_and_d2t(tmp_path, tiny_target):
+    """vLLM's layout for a draft vocabulary: lm_head [N, H] = the target's rows, d2t, N in the
+    config; the reload drafts exactly as the drafter; another target's head is refused."""
+    target_dir = tmp_path / "target"
+    tiny_target.save_pretrained(target_dir)
+    drafter = _vocab_drafter(tiny_target)
+    out = _export(tmp_path, drafter, target_name_or_path=str(target_dir))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 40
+    tensors = load_file(str(out / "model.safetensors"))
+    ids = torch.arange(40) + drafter.d2t
+    assert torch.equal(tensors["lm_head.weight"], tiny_target.lm_head.weight.detach()[ids])
+    assert torch.equal(tensors["d2t"], drafter.d2t) and "t2d" not in tensors
+    back = ex.load_export(out, tiny_target)
+    assert back.config == replace(drafter.config, train_k_norm=False)
+    assert torch.equal(back.t2d, drafter.t2d)
+    tokens, logits = _draft(drafter, tiny_target)
+    tokens2, logits2 = _draft(back, tiny_target)
+    assert torch.equal(tokens, tokens2) and torch.equal(logits, logits2)
+    assert torch.isinf(logits[:, ~drafter.t2d]).all()  # q = 0 outside the draft vocabulary
+    other = tiny_llama(vocab_size=V, layers=N, seed=9, init_std=0.1)
+    with pytest.raises(ValueError, match=r"lm_head\.weight is not the target's rows"):
+        ex.load_export(out, other)
+    with pytest.raises(ValueError, match="lm_head"):
+        _export(tmp_path, drafter, name="nohead", target_name_or_path=str(tmp_path / "nowhere"))

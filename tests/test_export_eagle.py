@@ -25,13 +25,17 @@ def tiny_target():
     return tiny_llama(vocab_size=V, layers=N, seed=0, init_std=0.1)
 
 
-def _drafter(target, version: int, *, draft_vocab_size=None, aux=None, nbr=False, seed=1):
+def _drafter(
+    target, version: int, *, draft_vocab_size=None, aux=None, nbr=False, eagle31=False, seed=1
+):
     cfg = EagleConfig.from_target(
         target.config,
         version,
         draft_vocab_size=draft_vocab_size,
         feature_layers=aux,
         norm_before_residual=nbr,
+        fc_norm=eagle31,
+        norm_output=eagle31,
     )
     d2t = t2d = None
     if version == 3 and cfg.draft_vocab_size < V:
@@ -69,6 +73,7 @@ def _save(tmp_path, drafter, name="src"):
 CASES = [
     ("speculators", 3, {"draft_vocab_size": 40}),
     ("speculators", 3, {"draft_vocab_size": 40, "nbr": True}),
+    ("speculators", 3, {"draft_vocab_size": 40, "eagle31": True}),  # fc_norm + norm_output
     ("speculators", 3, {}),  # full draft vocab: no d2t/t2d in the export
     ("eagle3", 3, {"draft_vocab_size": 40}),
     ("eagle3", 3, {"draft_vocab_size": 40, "aux": [1, 2, 4]}),  # non-default layers
@@ -299,10 +304,24 @@ def test_load_export_refuses_unknown_variants(tmp_path, tiny_target):
     with pytest.raises(ValueError, match="norm_before_residual"):
         ex.load_export(out, tiny_target)
     cfg["norm_before_residual"] = False
-    cfg["fc_norm"] = True
+    cfg["norm_before_fc"] = True
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="fc_norm"):
+    with pytest.raises(ValueError, match="norm_before_fc"):
         ex.load_export(out, tiny_target)
+
+
+def test_eagle31_config_tensors_and_sglang_refusal(tmp_path, tiny_target):
+    """EAGLE-3.1: vLLM's fields and tensor names; the SGLang layout is not written for it."""
+    src = _save(tmp_path, _drafter(tiny_target, 3, draft_vocab_size=40, eagle31=True))
+    out = ex.export_speculators(src, tmp_path / "s", verifier_name_or_path="t")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and not cfg["norm_before_fc"]
+    names = set(load_file(str(out / "model.safetensors")))
+    assert {f"fc_norm.{i}.weight" for i in range(3)} <= names
+    assert "README.md" in {p.name for p in out.iterdir()}
+    assert "EAGLE-3.1" in (out / "README.md").read_text()
+    with pytest.raises(ValueError, match=r"EAGLE-3\.1"):
+        ex.export_eagle3(src, tmp_path / "sglang")
 
 
 def test_cli(tmp_path, tiny_target, capsys):

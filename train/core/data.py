@@ -145,6 +145,15 @@ def load_samples(
     return dataset, summary
 
 
+def first_records(dataset: Any, limit: int | None) -> Any:
+    """The first ``limit`` samples of a map-style dataset (all when None): ``limit`` for data
+    read from a hidden-state cache, as :func:`load_samples` applies it to records (before the
+    validation split, so both modes hold back their validation samples from the same N)."""
+    if limit is None or limit >= len(dataset):
+        return dataset
+    return torch.utils.data.Subset(dataset, range(limit))
+
+
 def split_indices(n: int, val_samples: int, seed: int) -> tuple[list[int], list[int]]:
     """Seeded split of ``n`` sample indices into ``(train, validation)``, both sorted.
 

@@ -32,6 +32,7 @@ __all__ = [
     "check_tensor_shapes",
     "target_card_lines",
     "target_facts",
+    "target_head_rows",
     "tensor_bytes",
 ]
 
@@ -167,3 +168,55 @@ def check_tensor_shapes(
             f"{where}: tensors do not match the config: missing {missing}, unexpected "
             f"{unexpected}, wrong shape {wrong}"
         )
+
+
+def target_head_rows(name_or_path: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the target's output head, read from its safetensors files alone.
+
+    Only the head tensor is read (``safe_open``), so a large target is never loaded: the
+    ``lm_head.weight`` tensor, or with tied embeddings (SmolLM2) ``model.embed_tokens.weight``.
+    An export that ships a draft vocabulary's head (DFlash's ``lm_head`` ``[N, H]``) takes its
+    rows from here.
+
+    Args:
+        name_or_path: a local model directory, or a Hub id already in the Hub cache (nothing is
+            downloaded).
+        ids: ``[N]`` long, the target ids in draft order.
+
+    Returns:
+        ``[N, H]`` in the checkpoint's dtype.
+
+    Raises:
+        ExportError: no safetensors weights found, or none of them holds the head.
+    """
+    import os
+
+    from safetensors import safe_open
+
+    root = Path(os.path.expanduser(name_or_path))
+    if not root.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            root = Path(
+                snapshot_download(
+                    name_or_path, local_files_only=True, allow_patterns=["*.safetensors"]
+                )
+            )
+        except Exception as exc:  # not cached, or not a repo id
+            raise ExportError(
+                f"target {name_or_path!r}: not a local directory nor in the Hub cache, and the "
+                f"export needs its lm_head rows ({exc})"
+            ) from exc
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"target {root}: no *.safetensors weights to read the lm_head from")
+    for key in ("lm_head.weight", "model.embed_tokens.weight"):  # the head, else the tied one
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                if key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __contains__)
+                    return f.get_slice(key)[:][ids.cpu().long()].contiguous()
+    raise ExportError(
+        f"target {root}: neither lm_head.weight nor model.embed_tokens.weight in {len(files)} "
+        "safetensors file(s)"
+    )

@@ -25,9 +25,9 @@ state dict), without the ``model.`` prefix vLLM's loader adds itself.
                                 ``rope_theta``/``rope_scaling`` and ``rope_parameters``
                                 (vLLM's DFlash layer defaults a missing theta to 1e6,
                                 ``qwen3_dflash.py``).
-``draft_vocab_size``            the full target vocab: the target's lm_head is shared, so no
-                                ``lm_head``/``d2t`` is shipped (speculators' default is 32000,
-                                so it must be written).
+``draft_vocab_size``            the drafter's draft vocabulary N, or the full target vocab
+                                (then the target's lm_head is shared and no ``lm_head``/``d2t``
+                                is shipped). Always written: speculators' default is 32000.
 ``block_size``                  B, as trained (speculators reads it; vLLM V1 does not).
 ``target_hidden_size``          H: vLLM sizes ``fc`` as ``target_hidden_size * len(aux ids)``.
 ``aux_hidden_state_layer_ids``  our ``feature_layers`` unchanged: HF ``hidden_states`` indices,
@@ -66,9 +66,16 @@ requested k is overridden and the model card says so.
 Weights (vLLM ``qwen3_dflash.py`` ``load_weights``): exactly the names of
 :func:`_expected_shapes`. vLLM raises on an unknown name and asserts on ``mask_hidden``, while a
 *missing* name is silently left uninitialised, so the export is checked to hold every expected
-tensor and nothing else. No ``embed_tokens``/``lm_head`` (the target's are shared when absent,
-as our drafter shares them), no ``d2t``/``t2d`` (full vocabulary), no ``mask_embedding.pt``
-(the mask slots use the target's embedding row, as z-lab and speculators do).
+tensor and nothing else. No ``embed_tokens`` (the target's is shared when absent, as our drafter
+shares it) and no ``mask_embedding.pt`` (the mask slots use the target's embedding row, as z-lab
+and speculators do). A full-vocabulary drafter ships no ``lm_head`` either (shared). A drafter
+with a draft vocabulary (N < V) scores N rows of the target's frozen head; vLLM's
+``DFlashQwen3ForCausalLM`` sizes its own ``lm_head`` by ``draft_vocab_size`` and maps draft ids
+with ``draft_id_to_target_id``, so the export ships ``lm_head.weight`` ``[N, H]`` -- those rows,
+read from the target's safetensors (:func:`~draftsmith.train.export.common.target_head_rows`) --
+and ``d2t`` (int64 ``[N]``, target id = i + d2t[i]; vLLM renames it and skips ``t2d``, which is
+not shipped). vLLM then keeps the drafter's head (``has_own_lm_head``): N rows per draft slot,
+not V.
 
 Serving::
 
@@ -99,6 +106,7 @@ import torch
 
 from ...heads import families
 from ...heads.dflash import DRAFTER_FORMAT, DFlashConfig, DFlashDrafter
+from ...heads.vocab_maps import vocab_target_ids
 from ..errors import RunError
 from ..runinfo import json_text
 from ..staged import OutputExistsError, staged_dir
@@ -110,6 +118,7 @@ from .common import (
     check_tensor_shapes,
     target_card_lines,
     target_facts,
+    target_head_rows,
     tensor_bytes,
 )
 from .eagle import _resolve_dtype
@@ -147,14 +156,16 @@ WEIGHTS_FILE = "model.safetensors"
 # --------------------------------------------------------------------------------------------
 
 
-def _expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a saved drafter and of its export (the names are vLLM's), with shapes.
+def _expected_shapes(cfg: DFlashConfig, *, export: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a saved drafter, or of its export, with shapes (the names are vLLM's).
 
     Shapes (H hidden, I intermediate, d head_dim, q = heads·d, kv = kv_heads·d):
     ``fc`` ``[H, len(feature_layers)·H]``; ``hidden_norm``, ``norm`` ``[H]``; per layer
     ``q_proj`` ``[q, H]``, ``k_proj``/``v_proj`` ``[kv, H]``, ``o_proj`` ``[H, q]``,
     ``q_norm``/``k_norm`` ``[d]`` (Qwen3: always present in vLLM's layer), ``gate``/``up``
-    ``[I, H]``, ``down`` ``[H, I]``, both layer norms ``[H]``.
+    ``[I, H]``, ``down`` ``[H, I]``, both layer norms ``[H]``. With a draft vocabulary of N:
+    ``d2t`` ``[N]``, plus ``t2d`` ``[V]`` in a saved drafter or ``lm_head`` ``[N, H]`` in an
+    export (module docstring).
     """
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -178,6 +189,12 @@ def _expected_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
             f"{p}input_layernorm.weight": (h,),
             f"{p}post_attention_layernorm.weight": (h,),
         }
+    if cfg.reduced_vocab:
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+        if export:
+            shapes["lm_head.weight"] = (cfg.draft_vocab_size, h)
+        else:
+            shapes["t2d"] = (cfg.vocab_size,)
     return shapes
 
 
@@ -331,8 +348,8 @@ def speculators_dflash_config(
         "speculators_model_type": "dflash",
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": _qwen3_layer_config(cfg, dtype),
-        # Full vocabulary: the shared target head; a smaller one would need lm_head + d2t.
-        "draft_vocab_size": cfg.vocab_size,
+        # N with its lm_head + d2t, or the full vocabulary: the shared target head.
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
         "block_size": cfg.block_size,
         "target_hidden_size": cfg.hidden_size,
         # HF hidden_states indices == vLLM/speculators aux ids (module docstring).
@@ -374,7 +391,7 @@ def config_from_export(raw: dict[str, Any], target_config: Any) -> DFlashConfig:
     Raises:
         ExportError: not a DFlash speculators config, a field is missing, or it asks for a
             variant our drafter does not implement (causal block, sliding window, biases,
-            reduced vocabulary, anchor sampling, another target width).
+            anchor sampling, another target width).
     """
     kind = raw.get("speculators_model_type")
     if kind != "dflash":
@@ -394,7 +411,6 @@ def config_from_export(raw: dict[str, Any], target_config: Any) -> DFlashConfig:
             "layer_types": (set(layer_types), {"full_attention"}),
             "attention_bias": (layer.get("attention_bias", False), False),
             "sample_from_anchor": (raw.get("sample_from_anchor", False), False),
-            "draft_vocab_size": (raw.get("draft_vocab_size", vocab), vocab),
             "target_hidden_size": (raw.get("target_hidden_size") or hidden, hidden),
         }
         bad = [f"{k} = {got!r}" for k, (got, ok) in variants.items() if got != ok]
@@ -402,6 +418,7 @@ def config_from_export(raw: dict[str, Any], target_config: Any) -> DFlashConfig:
             raise ExportError(f"export uses variants our DFlashDrafter does not implement: {bad}")
         theta, scaling = _rope_from_export(layer)
         heads = int(layer["num_attention_heads"])
+        draft_vocab = int(raw.get("draft_vocab_size") or vocab)
         return DFlashConfig(
             hidden_size=hidden,
             intermediate_size=int(layer["intermediate_size"]),
@@ -419,6 +436,7 @@ def config_from_export(raw: dict[str, Any], target_config: Any) -> DFlashConfig:
             mask_token_id=int(raw["mask_token_id"]),
             num_layers=num_layers,
             block_size=int(raw["block_size"]),
+            draft_vocab_size=draft_vocab if draft_vocab < vocab else None,
         )
     except ExportError:
         raise
@@ -488,6 +506,12 @@ def model_card(
             f"vLLM `dflash_config.target_layer_ids` {[i - 1 for i in layers]}",
         ),
         ("mask token id", str(cfg.mask_token_id)),
+        (
+            "draft vocabulary",
+            f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens (own lm_head rows + d2t)"
+            if cfg.reduced_vocab
+            else f"all {cfg.vocab_size} tokens (the target's lm_head, shared)",
+        ),
         ("τ (tokens per target forward)", tau),
     ]
     if evaluation:
@@ -625,7 +649,17 @@ def export_dflash(
 
     # Exactly the expected names (checked against the source above): nothing vLLM rejects
     # (embed_tokens/lm_head would replace the shared target modules, mask_hidden asserts).
-    tensors = {name: state[name].to(want).contiguous() for name in _expected_shapes(cfg)}
+    tensors = {}
+    for name in _expected_shapes(cfg, export=True):
+        if name == "d2t":
+            tensors[name] = state[name].to(torch.long).contiguous()  # vLLM: int64 offsets
+        elif name == "lm_head.weight":
+            # The draft vocabulary's rows of the target's head (module docstring), read from
+            # the target as named here (a directory, or a Hub id in the cache).
+            ids = vocab_target_ids(state["d2t"].long())
+            tensors[name] = target_head_rows(target_name_or_path, ids).to(want).contiguous()
+        else:
+            tensors[name] = state[name].to(want).contiguous()
     check_finite(tensors, f"{src / WEIGHTS_FILE} (as {dtype_name(want)})")
     equal = _k_norms_equal(tensors, cfg.num_layers)
     card = model_card(cfg, info, target, requested_k=speculative_tokens, k_norms_equal=equal)
@@ -704,8 +738,20 @@ def load_export(
     if bad:
         raise ExportError(f"{root / CONFIG_FILE}: does not match the target: {bad}")
     state = load_file(str(root / WEIGHTS_FILE))
-    check_tensor_shapes(state, _expected_shapes(cfg), str(root / WEIGHTS_FILE))
+    check_tensor_shapes(state, _expected_shapes(cfg, export=True), str(root / WEIGHTS_FILE))
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if cfg.reduced_vocab:
+        # Our drafter scores the target's own rows: the shipped head must be exactly those.
+        ids = vocab_target_ids(state["d2t"].long())
+        rows = head.weight.detach().cpu()[ids].to(state["lm_head.weight"].dtype)
+        if not torch.equal(state.pop("lm_head.weight"), rows):
+            raise ExportError(
+                f"{root / WEIGHTS_FILE}: lm_head.weight is not the target's rows of the draft "
+                "vocabulary (d2t): exported for another target?"
+            )
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        state["t2d"] = t2d
     saved = state["fc.weight"].dtype
     drafter = DFlashDrafter(cfg, embed, head).to(saved)
     drafter.load_state_dict(state)

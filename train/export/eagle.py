@@ -142,6 +142,8 @@ def _expected_shapes(cfg: EagleConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.parallel:
         shapes["mask_hidden"] = (1, 3 * h)
+    if cfg.fc_norm:
+        shapes |= {f"fc_norm.{i}.weight": (h,) for i in range(3)}
     if cfg.version == 3:
         shapes |= {
             "layers.0.input_layernorm.weight": (h,),

@@ -182,6 +182,11 @@ def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k:
         ("draft vocabulary", f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens"),
         ("fused target layers", aux),
         ("norm_before_residual", str(cfg.norm_before_residual) if cfg.version == 3 else "-"),
+        *(
+            [("EAGLE-3.1", f"fc_norm {cfg.fc_norm}, norm_output {cfg.norm_output}")]
+            if cfg.fc_norm or cfg.norm_output
+            else []
+        ),
         ("τ (tokens per target forward)", tau),
     ]
     if evaluation:

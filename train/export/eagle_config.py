@@ -148,10 +148,12 @@ def speculators_config(
         # HF hidden_states indices == vLLM/speculators ids (module docstring).
         "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
         "norm_before_residual": cfg.norm_before_residual,
-        # Variants our drafter does not implement, written so no reader guesses.
+        # A variant our drafter does not implement, written so no reader guesses.
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        # EAGLE-3.1 (vLLM 0.32 reads both for eagle3; its peagle reader neither, which
+        # EagleConfig refuses).
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "speculators_config": {
             "algorithm": model_type,
             "proposal_methods": [
@@ -182,6 +184,13 @@ def eagle3_config(cfg: EagleConfig, dtype: torch.dtype) -> dict[str, Any]:
         raise ExportError(
             "the eagle3 (SGLang) format has no norm_before_residual=True variant; export this "
             "drafter with format 'speculators' (vLLM) instead"
+        )
+    if cfg.fc_norm or cfg.norm_output:
+        # Not checked against SGLang's loader here: refuse rather than write a config that a
+        # server may read without the variant.
+        raise ExportError(
+            "the eagle3 (SGLang) format is not written for EAGLE-3.1 drafters (fc_norm, "
+            "norm_output); export with format 'speculators' (vLLM) instead"
         )
     out = {
         "architectures": [ARCH_EAGLE3],
@@ -243,8 +252,6 @@ def config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> Eag
         "attention_bias": (layer.get("attention_bias", False), False),
         "mlp_bias": (layer.get("mlp_bias", False), False),
         "norm_before_fc": (raw.get("norm_before_fc", False), False),
-        "fc_norm": (raw.get("fc_norm", False), False),
-        "norm_output": (raw.get("norm_output", False), False),
         "target_hidden_size": (
             raw.get("target_hidden_size", layer["hidden_size"]),
             layer["hidden_size"],
@@ -267,6 +274,9 @@ def config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> Eag
         aux = [i + 1 for i in ids] if ids else _default_aux(n)
         if raw.get("norm_before_residual"):
             raise ExportError("eagle3 (SGLang) exports cannot use norm_before_residual=True")
+    eagle31 = {k: bool(raw.get(k, False)) for k in ("fc_norm", "norm_output")}
+    if any(eagle31.values()) and fmt != "speculators":
+        raise ExportError(f"{fmt} exports do not carry EAGLE-3.1's variants, got {eagle31}")
     theta, scaling = _rope_from_export(layer)
     vocab = int(layer["vocab_size"])
     return EagleConfig(
@@ -287,4 +297,5 @@ def config_from_export(fmt: str, raw: dict[str, Any], target_config: Any) -> Eag
         feature_layers=aux,
         norm_before_residual=norm_before_residual,
         mask_token_id=raw.get("mask_token_id") if fmt == "peagle" else None,
+        **eagle31,
     )

@@ -1,8 +1,10 @@
 """The quickstart's time budget: measured throughputs, and the data sizes and times they give.
 
 :func:`make_plan` turns ``--budget-minutes`` into data sizes from a set of :class:`Rates`: the
-fixed costs and the evaluation come first; of what is left, data making gets :data:`DATA_SHARE`
-and training the rest. The training stage is sized again when it starts
+fixed costs and the evaluation come first; what is left buys records, each costing its making
+(Magpie prompt, answer, cache) plus :data:`TARGET_EPOCHS` training epochs over it, so the split
+between making data and training follows the measured rates and a learning-curve rule (epochs
+over distinct records), not a fixed share. The training stage is sized again when it starts
 (:meth:`Plan.train_time_left`, :func:`train_schedule`), from the time actually spent so far and
 how fast this machine cached (:func:`speed_factor`): the epochs that fit, with the time left as a
 hard stop, so a slow data stage shortens training instead of overrunning the budget.
@@ -140,9 +142,13 @@ PROBE_REFERENCE = {
 
 #: Share of the budget the plan fills (the rest is slack for the estimates' error).
 PLAN_SHARE = 0.95
-#: Share of the time for data and training that goes to making data (the rest trains). A record
-#: costs ~8x one training epoch over it, so 60/40 buys ~300 records seen ~7 times in 30 minutes.
-DATA_SHARE = 0.6
+#: Training epochs over distinct records the plan buys data for: each planned record costs its
+#: making plus this many epochs of training over it. Measured on Alpaca data answered by SmolLM2
+#: (EAGLE-3, 301 steps = 15 min on the 2-core AVX2 CPU, docs/performance.md "Distinct data
+#: against epochs"): 968 records seen 2.5 times reached validation sim τ 1.47, 218 records seen
+#: 11 times {LIMIT250}. A record costs ~8x one training epoch over it, so 3 epochs puts ~3/4
+#: of the time into data.
+TARGET_EPOCHS = 3.0
 #: Share of the budget for the evaluation when --eval-prompts is not given.
 EVAL_SHARE = 0.17
 #: Evaluation streams per prompt: plain bf16, plain fp32 (the reference) and speculative.
@@ -253,8 +259,8 @@ def make_plan(
     """Split the budget into data sizes and per-stage time estimates.
 
     Fixed costs (prepare, stage starts, the validation answers, tokenize, export) and the
-    evaluation come first; of the rest, :data:`DATA_SHARE` makes data (Magpie prompts, answers,
-    the cache) and the remainder trains. The training time is recomputed when that stage starts,
+    evaluation come first; the rest buys records at their making cost (Magpie prompt, answer,
+    cache) plus :data:`TARGET_EPOCHS` epochs of training over each, and trains on them. The training time is recomputed when that stage starts,
     from the time really spent.
 
     Args:
@@ -284,7 +290,9 @@ def make_plan(
     }
     fixed = sum(est.values()) + 4 * rates.load_s  # prompts, distill, cache, train start
     magpie_cost, record_cost = _record_costs(cfg.max_new_tokens, rates)
-    data_s = DATA_SHARE * max(budget - fixed, 0.0)
+    answer = rates.answer_share * cfg.max_new_tokens
+    epochs_cost = TARGET_EPOCHS * (rates.prompt_tokens + answer) / rates.train_tokens_per_s
+    usable = max(budget - fixed, 0.0)
     if cfg.num_prompts is not None:
         magpie = cfg.num_prompts
         records = cfg.records  # None: every prompt made is answered
@@ -292,12 +300,13 @@ def make_plan(
         records = cfg.records
         magpie = max(0, records - seeds)
     else:
-        magpie = max(0, math.floor((data_s - seeds * record_cost) / (magpie_cost + record_cost)))
+        # Each seed costs its answer, cache and epochs; each Magpie prompt its writing besides.
+        left = usable - seeds * (record_cost + epochs_cost)
+        magpie = max(0, math.floor(left / (magpie_cost + record_cost + epochs_cost)))
         records = max(MIN_RECORDS, seeds + magpie)
         magpie = max(magpie, records - seeds)
     answered = min(records, seeds + magpie) if records is not None else seeds + magpie
     est["prompts"] = rates.load_s + magpie * magpie_cost
-    answer = rates.answer_share * cfg.max_new_tokens
     est["distill"] = rates.distill_s(answered, cfg.max_new_tokens)
     est["cache"] = (
         rates.load_s + answered * (rates.prompt_tokens + answer) / rates.cache_tokens_per_s

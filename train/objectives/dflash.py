@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ...heads.base import unwrap_model
+from ...heads.vocab_maps import vocab_target_ids
 from .eagle_ttt import _batch_tensors, _soft_ce, shift_left, target_distribution
 
 __all__ = [
@@ -237,20 +238,25 @@ def dflash_loss(
     need[bi, label_pos] = True
     row_of = need.flatten().cumsum(0) - 1  # compact row of each (row, position)
     final = batch["hidden_states"][cfg.target_num_layers].to(dev)
+    # A draft vocabulary: the target's distribution restricted to it and renormalised (EAGLE-3
+    # §3), which is what the drafter's rows of the head can express.
+    vocab_ids = vocab_target_ids(core.d2t) if cfg.reduced_vocab else None
     # sync (boolean index): sizes the label rows.
-    target_p, target_arg = target_distribution(final[need][None], target_lm_head)
+    target_p, target_arg = target_distribution(
+        final[need][None], target_lm_head, vocab_ids=vocab_ids
+    )
     rows = row_of[bi * t + label_pos].to(target_p.device)
     target_p = target_p[0, rows].to(dev)
     target_arg = target_arg[0, rows].to(dev)
 
-    logits = core.logits(hidden[bi, ai, si])  # [N, V]
+    logits = core.logits(hidden[bi, ai, si])  # [N, V or V_draft]
     ce = _soft_ce(logits, target_p)  # [N]
     w = slot_weights(s, gamma, dev)[si]
     loss = (w * ce).sum() / w.sum().clamp_min(1e-12)
 
     metrics: dict[str, torch.Tensor] = {"loss": loss.detach()}
     with torch.no_grad():
-        hit = (logits.argmax(-1).to(dev) == target_arg).float()
+        hit = (core.target_ids(logits.argmax(-1)).to(dev) == target_arg).float()
         j = si - 1
         count = torch.bincount(j, minlength=s - 1)
         hits = torch.bincount(j, weights=hit, minlength=s - 1)
