@@ -2,8 +2,8 @@
 # DFlash with a draft vocabulary (issue 24/25): the 15-minute DFlash drafter of issue 24
 # (bench/issue24_avx2_runs.sh) as trained (full vocabulary) and with the 8,192-token draft
 # vocabulary of its training data (add_draft_vocab.py: the same weights, the head restricted to
-# those rows), benched side by side on the first 50 held-out Alpaca prompts (k = 3 as in issue
-# 24's bench, and k = 7 = B - 1), fp32, one thread per shard, two shards; then served by vLLM.
+# those rows), benched side by side on the first 40 held-out Alpaca prompts at k = 7 = B - 1 (the
+# k vLLM serves DFlash with), fp32, one thread per shard, two shards; then served by vLLM.
 # Needs an idle machine.
 set -e
 cd /work/main
@@ -16,15 +16,11 @@ mkdir -p $O
 python scripts/bench_draft_vocab.py --drafters dflash --dtypes float32 --threads 1 --reps 30 \
    --out bench/dflash_vocab/step_cost_avx2_fp32.json
 DR="dflash=$R/dflash_avx2_15min/best dflash=$R/i26/dflash_15min_vocab8192"
-for K in 3 7; do
-  B="draftsmith bench --drafter $DR --k $K --prompts ../shared/data/alpaca_2k.jsonl --split heldout \
-     --limit 50 --max-new-tokens 64 --dtype float32 --temperatures 0 --threads 1"
-  $B --shard 0/2 --out $O/k${K}_s0 > $O/k${K}_s0.log 2>&1 &
-  $B --shard 1/2 --out $O/k${K}_s1 > $O/k${K}_s1.log 2>&1
-  wait
-done
-draftsmith bench --merge $O/k3_s0.json $O/k3_s1.json --out $O/k3 \
-   --cost-profile bench/forward_cost_avx2_fp32_1thread.json
+B="draftsmith bench --drafter $DR --k 7 --prompts ../shared/data/alpaca_2k.jsonl --split heldout \
+   --limit 40 --max-new-tokens 64 --dtype float32 --temperatures 0 --threads 1"
+$B --shard 0/2 --out $O/k7_s0 > $O/k7_s0.log 2>&1 &
+$B --shard 1/2 --out $O/k7_s1 > $O/k7_s1.log 2>&1
+wait
 draftsmith bench --merge $O/k7_s0.json $O/k7_s1.json --out $O/k7 \
    --cost-profile bench/forward_cost_avx2_fp32_1thread.json \
    --vllm-python /work/venvs/vllm/bin/python --served-concurrency 1 --served-limit 16 --no-served-schedule

@@ -143,11 +143,11 @@ PROBE_REFERENCE = {
 #: Share of the budget the plan fills (the rest is slack for the estimates' error).
 PLAN_SHARE = 0.95
 #: Training epochs over distinct records the plan buys data for: each planned record costs its
-#: making plus this many epochs of training over it. Measured on Alpaca data answered by SmolLM2
-#: (EAGLE-3, 301 steps = 15 min on the 2-core AVX2 CPU, docs/performance.md "Distinct data
-#: against epochs"): 968 records seen 2.5 times reached validation sim τ 1.47, 218 records seen
-#: 11 times {LIMIT250}. A record costs ~8x one training epoch over it, so 3 epochs puts ~3/4
-#: of the time into data.
+#: making plus this many epochs of training over it. Measured at equal training compute (EAGLE-3,
+#: the same 301 steps and LR schedule on Alpaca records answered by SmolLM2, docs/performance.md
+#: "Distinct data against epochs"): 968 records seen 2.5 times reach evaluated τ 1.44, 218 records
+#: seen 11 times 1.36 (their learning curve flattening from step 200). A record costs ~8x one
+#: training epoch over it at the reference rates, so 3 epochs put ~3/4 of the time into data.
 TARGET_EPOCHS = 3.0
 #: Share of the budget for the evaluation when --eval-prompts is not given.
 EVAL_SHARE = 0.17
