@@ -1,0 +1,35 @@
+#!/bin/bash
+# Issue 26 on the AVX2-only CPU (fp32): objective and data variants of EAGLE-3 against the
+# reference run of bench/issue24_avx2_runs.sh (same data, config and LR schedule), each paused at
+# step 301 (the reference's 15 minutes), then evaluated on 100 held-out prompts (τ only). What was
+# run, in order (the runs shared the machine with tests at times: compare steps, not minutes).
+set -e
+cd /work/main
+D=~/.cache/draftsmith/data
+R=/work/runs/i26
+DATA="--data $D/alpaca1000_train_sd_smollm2_fp32_greedy128.jsonl --hidden-states-cache $D/cache_sd1000_eagle3"
+EV="--k 3 --prompts ../shared/data/alpaca_2k.jsonl --split heldout --max-new-tokens 64 --dtype float32 \
+    --no-baseline --no-reference-plain --threads 1"
+CFG="python recipes/eagle.py --config recipes/configs/eagle3_smollm2.yaml $DATA --eval-every 50 --save-every 100"
+# 1. LK loss (15 min, then resumed to step 301).
+$CFG --loss lk_hybrid --max-minutes 15 --output-dir $R/eagle3_lkhybrid_15min
+$CFG --loss lk_hybrid --max-minutes 30 --stop-after-steps 82 --output-dir $R/eagle3_lkhybrid_15min
+# 2. EAGLE-3.1 (the shipped config now sets both; written out for the record).
+$CFG --fc-norm --norm-output --max-minutes 40 --stop-after-steps 301 --output-dir $R/eagle31_301
+# 3. Distinct data: the first 250 records, the reference's schedule (726 steps), paused at 301.
+$CFG --limit 250 --max-steps 726 --max-minutes 40 --stop-after-steps 301 --output-dir $R/eagle3_limit250_301
+for V in lkhybrid:eagle3_lkhybrid_15min eagle31:eagle31_301 limit250:eagle3_limit250_301; do
+  draftsmith evaluate --drafter eagle=$R/${V#*:}/best $EV --limit 100 --out bench/issue26_avx2/eval_${V%%:*}.json
+done
+# Sampled (T = 0.7, first 30 prompts): KL reference against LK.
+draftsmith evaluate --drafter eagle=/work/runs/eagle3_avx2_15min/best $EV --limit 30 --temperature 0.7 \
+  --out bench/issue26_avx2/eval_t07_kl.json
+draftsmith evaluate --drafter eagle=$R/eagle3_lkhybrid_15min/best $EV --limit 30 --temperature 0.7 \
+  --out bench/issue26_avx2/eval_t07_lkhybrid.json
+# EAGLE-3.1 served by vLLM against ours on the first 16 prompts.
+draftsmith export --format speculators --checkpoint $R/eagle31_301/best --out $R/eagle31_export \
+  --target ~/.cache/draftsmith/targets/smollm2-135m-instruct --speculative-tokens 3 --overwrite
+/work/venvs/vllm/bin/python scripts/vllm_check.py --target ~/.cache/draftsmith/targets/smollm2-135m-instruct \
+  --method eagle3 --draft $R/eagle31_export --k 3 --prompts ../shared/data/alpaca_2k.jsonl --split heldout \
+  --limit 16 --max-new-tokens 64 --dtype float32 --out bench/issue26_avx2/vllm31.json
+draftsmith evaluate --drafter eagle=$R/eagle31_301/best $EV --limit 16 --out bench/issue26_avx2/eval16_eagle31.json
