@@ -55,10 +55,10 @@ from ..train.core.config import TrainConfig
 from ..train.core.data import (
     check_enough_data,
     default_mask_token,
-    eos_ids,
     first_records,
     input_errors,
     load_samples,
+    run_draft_vocab,
     split_indices,
     total_steps,
 )
@@ -197,7 +197,6 @@ def train(cfg: DFlashTrainConfig) -> int:
 
     from ..heads.dflash import DFlashConfig, build_drafter, load_drafter, save_drafter
     from ..train.data.chat import template_fingerprint
-    from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.decoding.metrics import simulated_tau
     from ..train.features.source import feature_source, target_fingerprint, val_data_source
     from ..train.objectives.dflash import dflash_loss
@@ -322,17 +321,14 @@ def train(cfg: DFlashTrainConfig) -> int:
         if drafter is None:
             d2t = t2d = None
             if dflash_cfg.reduced_vocab:
-                # FR-Spec / EAGLE-3 §3: the most frequent supervised tokens of this run's
-                # training data, EOS always in.
                 count_source = data if cfg.hidden_states == "online" else cache_tokens
-                counts = token_counts(count_source, vocab, max_length=cfg.max_length)
-                d2t, t2d = draft_vocab(
-                    counts, dflash_cfg.draft_vocab_size, always_include=eos_ids(tokenizer, target)
-                )
-                vocab_note = {"draft_vocab_coverage": coverage(counts, t2d)}
-                say(
-                    f"draft vocab: {dflash_cfg.draft_vocab_size} tokens cover "
-                    f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens"
+                d2t, t2d, vocab_note = run_draft_vocab(
+                    count_source,
+                    dflash_cfg.draft_vocab_size,
+                    tokenizer,
+                    target,
+                    cfg.max_length,
+                    say,
                 )
             drafter = build_drafter(target, dflash_cfg, seed=cfg.seed, d2t=d2t, t2d=t2d)
         drafter.train()

@@ -55,10 +55,10 @@ from ..train.core.config import TrainConfig
 from ..train.core.data import (
     check_enough_data,
     default_mask_token,
-    eos_ids,
     first_records,
     input_errors,
     load_samples,
+    run_draft_vocab,
     split_indices,
     total_steps,
 )
@@ -215,7 +215,6 @@ def train(cfg: EagleTrainConfig) -> int:
 
     from ..heads.eagle import EagleConfig, build_drafter, load_drafter, save_drafter
     from ..train.data.chat import template_fingerprint
-    from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.decoding.metrics import simulated_tau
     from ..train.features.source import feature_source, target_fingerprint, val_data_source
     from ..train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
@@ -339,16 +338,9 @@ def train(cfg: EagleTrainConfig) -> int:
         vocab_note = {}
         if eagle_cfg.draft_vocab_size < vocab and cfg.init_from is None:
             # EAGLE-3 §3 (FR-Spec for EAGLE-1): the drafter predicts over the most frequent
-            # target tokens only, counted on the supervised tokens of this run's training data,
-            # EOS always in.
-            counts = token_counts(count_source, vocab, max_length=cfg.max_length)
-            d2t, t2d = draft_vocab(
-                counts, cfg.draft_vocab_size, always_include=eos_ids(tokenizer, target)
-            )
-            vocab_note = {"draft_vocab_coverage": coverage(counts, t2d)}
-            say(
-                f"draft vocab: {cfg.draft_vocab_size} tokens cover "
-                f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens"
+            # target tokens only, counted on the supervised tokens of this run's training data.
+            d2t, t2d, vocab_note = run_draft_vocab(
+                count_source, cfg.draft_vocab_size, tokenizer, target, cfg.max_length, say
             )
         if cfg.init_from is not None:
             drafter = load_drafter(cfg.init_from, target)

@@ -242,6 +242,38 @@ def eos_ids(tokenizer: Any, model: Any) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def run_draft_vocab(
+    count_source: Any,
+    size: int,
+    tokenizer: Any,
+    target: Any,
+    max_length: int,
+    say: Any,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """A run's draft vocabulary (EAGLE-3 §3, FR-Spec): the ``size`` most frequent supervised
+    tokens of its training data, EOS always in; the coverage is said and returned for the
+    run's metrics.
+
+    Args:
+        count_source: the training samples (records or a cache's token view), as
+            :func:`~draftsmith.train.data.vocab.token_counts` reads them.
+        size: N, the draft vocabulary's size (< the target's vocabulary).
+        tokenizer, target: for the EOS ids.
+        max_length: count only the tokens training reads.
+        say: the run's console line writer.
+
+    Returns:
+        ``(d2t [N], t2d [V], {"draft_vocab_coverage": fraction})``.
+    """
+    from ..data.vocab import coverage, draft_vocab, token_counts
+
+    counts = token_counts(count_source, target.config.vocab_size, max_length=max_length)
+    d2t, t2d = draft_vocab(counts, size, always_include=eos_ids(tokenizer, target))
+    note = {"draft_vocab_coverage": coverage(counts, t2d)}
+    say(f"draft vocab: {size} tokens cover {note['draft_vocab_coverage']:.2%} of supervised tokens")
+    return d2t, t2d, note
+
+
 def default_mask_token(tokenizer: Any, vocab_size: int) -> int:
     """The placeholder token of parallel drafters (P-EAGLE, DFlash) when the config names none.
 
