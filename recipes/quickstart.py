@@ -54,8 +54,10 @@ instead of 64, as the GPU's memory allows (``batch_size`` in ``plan.probe``).
 **Budget** (``draftsmith.train.jobs.budget``): data sizes follow from ``--budget-minutes`` and
 this machine's rates, measured once per job right after the target is prepared (a probe of a
 few seconds on the device; ``plan.probe`` in ``quickstart.json``; a rerun reuses them, so the
-same command makes the same plan; ``--no-probe`` plans with the 2-core-CPU reference rates);
-training is sized when it starts, from the time really spent.
+same command makes the same plan; ``--no-probe`` plans with the 2-core-CPU reference rates).
+When the prompts and answers come out faster than planned, the job makes more of them before it
+trains (``plan.grown``), so training stays near the epochs the plan bought data for; training is
+sized when it starts, from the time really spent.
 **Resume** (``draftsmith.train.jobs.stages``): a rerun skips every stage whose output is complete
 and whose settings and inputs are unchanged, and continues a stage cut short; changed settings
 rerun that stage and every later one; ``--overwrite`` starts over. docs/quickstart.md has more.
@@ -66,6 +68,7 @@ from __future__ import annotations
 if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
     __package__ = "draftsmith.recipes"
 
+import dataclasses
 import json
 import math
 import os
@@ -97,6 +100,8 @@ from ..train.jobs.budget import (
     Plan,
     Probe,
     Rates,
+    generation_factor,
+    grow_plan,
     make_plan,
     plan_lines,
     speed_factor,
@@ -402,9 +407,16 @@ class Quickstart(StageJob):
             for text, style in plan_lines(self.plan, cfg, out)[1:]:
                 self._say(text, style)
             self._write_validation_prompts()
+            data = [lambda: self._prompts(seeds_hash), self._distill]
+            # The key chain the data stages start from, to run them again over grown sizes.
+            chain = (self.prev_key, self.prev_strict)
+            if not self._run_stages(data, start=2):
+                return 130
+            if self._grow_data():
+                self.prev_key, self.prev_strict = chain
+                if not self._run_stages(data, start=2):
+                    return 130
             builders = [
-                lambda: self._prompts(seeds_hash),
-                self._distill,
                 self._validation,
                 self._tokenize,
                 self._cache,
@@ -412,7 +424,7 @@ class Quickstart(StageJob):
                 self._evaluate,
                 self._export,
             ]
-            if not self._run_stages(builders, start=2):
+            if not self._run_stages(builders, start=4):
                 return 130  # interrupted: the stage's output is kept and resumes
             summary = self._summary()
             self.state["summary"] = summary
@@ -555,13 +567,71 @@ class Quickstart(StageJob):
             eval_dtype=eval_dtype,
             eval_rates=eval_rates,
         )
+        base = self.plan.record(cfg.budget_minutes, self.rates)
+        grown = recorded.get("grown")
+        if not (grown and recorded.get("probe_key") == key and grown.get("from") == _sizes(base)):
+            grown = None
         self.state["plan"] = {
-            **self.plan.record(cfg.budget_minutes, self.rates),
+            **base,
             "probe": record,
             "probe_key": key,
+            **({"grown": grown} if grown else {}),
         }
+        if grown:
+            # The data grew in an earlier invocation (_grow_data): the same sizes again, so a
+            # rerun neither redoes nor shrinks them.
+            self.plan = dataclasses.replace(
+                self.plan,
+                magpie=grown["magpie_prompts"],
+                records=grown["records"],
+                estimates={**self.plan.estimates, **grown["estimated_seconds"]},
+            )
         self.state["device"] = device_facts(device)
         self._save_state()
+
+    def _grow_data(self) -> bool:
+        """After the prompts and answers are made: when they came out faster than planned, plan
+        more of them (:func:`~draftsmith.train.jobs.budget.grow_plan`), so the time they saved
+        buys distinct records rather than more epochs over the same ones. Once per job: only
+        when both stages ran whole in this invocation (a resumed stage's time is not a rate),
+        not when Magpie ran out of attempts (the target writes no more), never when the sizes
+        were asked for. The grown sizes are kept in the state (``plan.grown``).
+
+        Returns:
+            Whether the plan grew (the two data stages then run again and extend their output).
+        """
+        stages = self.state["stages"]
+        made = [stages.get("prompts", {}), stages.get("distill", {})]
+        if any(self.this_run.get(n) != "ran" for n in ("prompts", "distill")):
+            return False
+        if made[0].get("exhausted") or "grown" in self.state["plan"]:
+            return False
+        factor = generation_factor(made, self.rates)
+        if factor is None:
+            return False
+        spent = self._spent_s("validation") + self.probe_s
+        grown = grow_plan(self.plan, self.cfg, self.rates, spent_s=spent, factor=factor)
+        if grown is None:
+            return False
+        self.state["plan"]["grown"] = {
+            "from": _sizes(self.state["plan"]),
+            "magpie_prompts": grown.magpie,
+            "records": grown.records,
+            "generation_factor": round(factor, 3),
+            "spent_seconds": round(spent, 1),
+            "estimated_seconds": {k: round(v, 1) for k, v in grown.estimates.items()},
+        }
+        self._save_state()
+        before = self.plan.records or self.plan.seeds + self.plan.magpie
+        self._say(
+            f"the prompts and answers came out {factor:.1f}x as fast as planned: "
+            f"{grown.records - before} more ({grown.records} records, training "
+            f"~{minutes(grown.estimates['train'])}), so the time saved buys distinct records "
+            f"rather than more epochs over the same {before}",
+            "yellow",
+        )
+        self.plan = grown
+        return True
 
     # --- stage builders -----------------------------------------------------------------------
 
@@ -704,7 +774,10 @@ class Quickstart(StageJob):
             identity={**strict, "limit": plan.records},
             strict=strict,
             restart=("--overwrite",),
-            estimate_s=self.rates.distill_s(answered, cfg.max_new_tokens),
+            # A grown plan's estimate is of the run that extends the answers (grow_plan).
+            estimate_s=plan.estimates["distill"]
+            if "grown" in self.state.get("plan", {})
+            else self.rates.distill_s(answered, cfg.max_new_tokens),
         )
 
     def _validation(self) -> Stage:
@@ -1001,6 +1074,11 @@ class Quickstart(StageJob):
         readme = summary_markdown(self.cfg, summary, stages, result, training, self.command)
         (self.out / SUMMARY_FILE).write_text(readme)
         return summary
+
+
+def _sizes(plan_record: dict[str, Any]) -> dict[str, Any]:
+    """The data sizes of a plan as the state records it (what a grown plan grew from)."""
+    return {k: plan_record.get(k) for k in ("magpie_prompts", "records")}
 
 
 def _torch_dtype(name: str) -> Any:

@@ -339,3 +339,58 @@ def test_a_job_planned_before_probes_keeps_its_plan(files, tmp_path, monkeypatch
         qs._make_plan(32, torch.device("cpu"))
         assert qs.rates == RATES and qs.plan == old
     assert qs.state["plan"]["probe"]["legacy"] is True
+
+
+def test_data_that_came_out_faster_grows_once_and_stays_grown(files, tmp_path, monkeypatch):
+    """The prompts and answers took 1/2.5 of their estimates: the job plans more of them before
+    it trains, extends those two stages, and a rerun keeps the grown sizes."""
+    from draftsmith.recipes.quickstart import Quickstart, QuickstartConfig
+    from draftsmith.train import device as device_module
+
+    monkeypatch.setattr(budget, "probe_rates", lambda *a, **k: _scaled(1.0))
+    monkeypatch.setattr(device_module, "native_bf16", lambda d: True)
+
+    def job(**settings):
+        qs = Quickstart(QuickstartConfig(out_dir=tmp_path, **settings), [])
+        qs._load_state()
+        qs.target_path = files / "target"
+        qs._make_plan(0, torch.device("cpu"))
+        return qs
+
+    def made(qs, factor, runs=1):
+        for name in ("prompts", "distill"):
+            estimate = qs.plan.estimates[name]
+            taken = RATES.load_s + (estimate - RATES.load_s) / factor
+            qs.state["stages"][name] = {
+                "estimate_s": estimate,
+                "last_seconds": taken,
+                "seconds": taken,
+                "runs": runs,
+                "status": "done",
+            }
+            qs.this_run[name] = "ran"
+
+    qs = job()
+    base = qs.plan
+    made(qs, 1.0)
+    assert not qs._grow_data() and qs.plan == base  # as planned: nothing grows
+    resumed = job()
+    made(resumed, 2.5, runs=2)
+    assert not resumed._grow_data()  # a resumed stage's time is not a rate
+
+    qs = job()
+    made(qs, 2.5)
+    assert qs._grow_data()
+    grown = qs.plan
+    assert grown.records > 1.25 * base.records and grown.magpie == grown.records
+    assert qs.state["plan"]["grown"]["generation_factor"] == pytest.approx(2.5, rel=0.01)
+    prompts, distill = qs._prompts("x").argv, qs._distill().argv
+    assert prompts[prompts.index("--num") + 1] == str(grown.magpie)
+    assert distill[distill.index("--limit") + 1] == str(grown.records)
+    assert not qs._grow_data()  # once per job
+
+    again = job()  # a rerun: the same probe, the same grown sizes
+    assert (again.plan.records, again.plan.magpie) == (grown.records, grown.magpie)
+    assert again.state["plan"]["records"] == base.records  # the plan it grew from
+    other = job(dtype="float32")  # another plan: the growth does not carry over
+    assert "grown" not in other.state["plan"] and other.plan.records == base.records

@@ -7,6 +7,7 @@ short, or change a setting, and check what is skipped and what is redone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import shlex
@@ -18,7 +19,13 @@ import torch
 
 from draftsmith.recipes.cli import main as cli
 from draftsmith.recipes.quickstart import STATE_FILE, QuickstartConfig
-from draftsmith.train.jobs.budget import RATES, make_plan
+from draftsmith.train.jobs.budget import (
+    RATES,
+    TARGET_EPOCHS,
+    generation_factor,
+    grow_plan,
+    make_plan,
+)
 from draftsmith.train.report.quickstart import vllm_serve_command
 from tests.conftest import byte_tokenizer, tiny_llama
 
@@ -604,6 +611,56 @@ def test_default_plan_fits_the_budget():
     assert plan.records < make_plan(QuickstartConfig(), seeds=0).records
 
 
+def _epochs(plan, cfg) -> float:
+    """Epochs the plan's training time gives its records at the plan's rates."""
+    tokens = RATES.prompt_tokens + RATES.answer_share * cfg.max_new_tokens
+    return plan.estimates["train"] * RATES.train_tokens_per_s / (plan.records * tokens)
+
+
+def test_data_made_faster_than_planned_buys_records_not_epochs():
+    cfg = QuickstartConfig()
+    plan = make_plan(cfg, seeds=0, validation=32)
+    assert abs(_epochs(plan, cfg) - TARGET_EPOCHS) < 0.3  # what the plan bought data for
+
+    def spent(factor):  # the probe and prepare as planned, the data stages `factor` faster
+        data = plan.estimates["prompts"] + plan.estimates["distill"]
+        return plan.estimates["prepare"] + data / factor
+
+    for factor in (1.5, 2.7):
+        grown = grow_plan(plan, cfg, RATES, spent_s=spent(factor), factor=factor)
+        assert grown.records - plan.records == grown.magpie - plan.magpie >= plan.records * 0.25
+        # Without growth the time saved would go to epochs over the same records.
+        saved = plan.estimates["prompts"] + plan.estimates["distill"] + plan.estimates["prepare"]
+        kept = dataclasses.replace(
+            plan,
+            estimates={**plan.estimates, "train": plan.estimates["train"] + saved - spent(factor)},
+        )
+        assert _epochs(kept, cfg) > TARGET_EPOCHS + 1
+        assert abs(_epochs(grown, cfg) - TARGET_EPOCHS) < 0.3
+        rest = sum(v for k, v in grown.estimates.items() if k != "prepare")
+        assert spent(factor) + rest <= plan.budget_s  # still within the budget
+    # As planned or slower, a small surplus, or sizes asked for: the plan stays.
+    assert grow_plan(plan, cfg, RATES, spent_s=spent(1.0), factor=1.0) is None
+    assert grow_plan(plan, cfg, RATES, spent_s=spent(1.02), factor=1.02) is None
+    for asked in ({"num_prompts": 100}, {"records": 100}):
+        fixed = QuickstartConfig(**asked)
+        plan_fixed = make_plan(fixed, seeds=0, validation=32)
+        assert grow_plan(plan_fixed, fixed, RATES, spent_s=60.0, factor=3.0) is None
+
+
+def test_the_generation_factor_reads_whole_stage_runs_only():
+    load = RATES.load_s
+    stages = [
+        {"estimate_s": 100 + load, "last_seconds": 40 + load, "runs": 1},
+        {"estimate_s": 200 + load, "last_seconds": 80 + load, "runs": 1},
+    ]
+    assert generation_factor(stages, RATES) == pytest.approx(2.5)
+    assert generation_factor([{**stages[0], "runs": 2}, stages[1]], RATES) is None  # resumed
+    assert generation_factor([{**stages[0], "last_seconds": None}], RATES) is None
+    slow = [{"estimate_s": 10 + load, "last_seconds": 1000 + load, "runs": 1}]
+    assert generation_factor(slow, RATES) == pytest.approx(1 / 8)  # clamped
+
+
 def test_ctrl_c_keeps_the_stage_resumable(tmp_path, capsys, job):
     from draftsmith.recipes import quickstart
 
@@ -795,3 +852,31 @@ def test_more_prompts_extend_the_data_and_retrain(job):
     assert len((out / "data/answers.jsonl").read_text().splitlines()) == 16
     metrics = json.loads((out / "eagle3/training_metrics.json").read_text())
     assert metrics["resumed_from"] is None and metrics["steps"] == 4  # trained anew
+
+
+def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monkeypatch, job):
+    """When the plan grows after the data stages (faked here: the tiny job's sizes are asked
+    for), the prompts and answers are extended, not redone, and every later stage runs once."""
+    from draftsmith.recipes import quickstart
+
+    def grow(plan, cfg, rates, *, spent_s, factor):
+        assert spent_s > 0 and factor > 0
+        magpie = plan.magpie + 2
+        return dataclasses.replace(plan, magpie=magpie, records=plan.seeds + magpie)
+
+    monkeypatch.setattr(quickstart, "grow_plan", grow)
+    out = tmp_path / "out"
+    argv = [*job.argv]
+    argv[argv.index("--out-dir") + 1] = out
+    code, printed = run_job(argv)
+    assert code == 0, printed
+    assert "came out" in printed and "more (" in printed
+    runs = {name: s["runs"] for name, s in state(out)["stages"].items()}
+    assert runs == {**dict.fromkeys(STAGES, 1), "prompts": 2, "distill": 2}
+    answers = (out / "data/answers.jsonl").read_text().splitlines()
+    assert len(answers) == 16  # 11 of yours + 3 + 2 by the target
+    assert state(out)["plan"]["grown"]["magpie_prompts"] == 5
+    # A rerun keeps the grown sizes: nothing is redone.
+    code, printed = run_job(argv)
+    assert code == 0 and {s["runs"] for s in state(out)["stages"].values()} <= {1, 2}
+    assert runs == {name: s["runs"] for name, s in state(out)["stages"].items()}
