@@ -958,6 +958,22 @@ class Quickstart(StageJob):
             estimate_s=remaining,
         )
 
+    def _data_facts(self) -> dict[str, Any]:
+        """The records trained on, the epochs planned over them, and the growth (if any)."""
+        grown = self.state["plan"].get("grown")
+        schedule = self.state["stages"].get("train", {}).get("schedule") or {}
+        return {
+            "records": count_lines(self.out / ANSWERS),
+            "epochs": None if self.cfg.train_steps else schedule.get("epochs"),
+            "grown": {
+                "from": grown["from"]["records"]
+                or self.plan.seeds + grown["from"]["magpie_prompts"],
+                "generation_factor": grown["generation_factor"],
+            }
+            if grown
+            else None,
+        }
+
     def _drafter_dir(self) -> Path:
         run = self.out / RUN
         # best/: the drafter of the highest validation τ (the recipe keeps it), else the last.
@@ -1054,6 +1070,7 @@ class Quickstart(StageJob):
                 **validation_figures(training, result, count_lines(self.out / VAL_ANSWERS)),
                 "of_yours": self.user_val,
             },
+            "data": self._data_facts(),
             "drafter": relative_path(self._drafter_dir()),
             "export": relative_path(self.out / EXPORT),
             "report": relative_path(self.out / REPORT),

@@ -871,6 +871,7 @@ def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monke
     code, printed = run_job(argv)
     assert code == 0, printed
     assert "came out" in printed and "more (" in printed
+    assert "data: 16 records made; grown from the plan's 14" in printed
     runs = {name: s["runs"] for name, s in state(out)["stages"].items()}
     assert runs == {**dict.fromkeys(STAGES, 1), "prompts": 2, "distill": 2}
     answers = (out / "data/answers.jsonl").read_text().splitlines()

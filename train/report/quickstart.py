@@ -16,6 +16,7 @@ from ...heads.families import FAMILIES
 from .text import fmt_number, is_finite_number, minutes
 
 __all__ = [
+    "data_line",
     "summary_lines",
     "summary_markdown",
     "validation_figures",
@@ -109,6 +110,22 @@ def validation_line(figures: dict[str, Any]) -> str:
     )
 
 
+def data_line(data: dict[str, Any]) -> str:
+    """One line: the records trained on, the epochs over them, and whether the data grew
+    (the job's plan, ``plan.grown``)."""
+    epochs = data.get("epochs")
+    text = f"data: {data.get('records', '-')} records made" + (
+        f", {epochs:g} training epochs planned" if epochs is not None else ""
+    )
+    grown = data.get("grown")
+    if grown:
+        text += (
+            f"; grown from the plan's {grown['from']} because the prompts and answers came "
+            f"out {grown['generation_factor']:.1f}x as fast as planned"
+        )
+    return text
+
+
 def _identical(summary: dict[str, Any]) -> str:
     """The "lossless" entry: all outputs identical, or the share that is and why the rest is not."""
     if summary.get("identical_to_target"):
@@ -144,6 +161,7 @@ def summary_lines(
         f"plain decoding: {fmt_number(summary['speedup_vs_fastest_plain'], '.2f', 'x')}; lossless: "
         f"{_identical(summary)}",
         validation_line(summary.get("validation") or {}),
+        data_line(summary.get("data") or {}),
         "stages: "
         + ", ".join(
             f"{name} {minutes(rec.get('seconds', 0.0))}"
@@ -226,6 +244,7 @@ it against plain decoding on {result.get("num_prompts", "-")} of the project's h
 | lossless | {_identical(summary)} |
 {validation_rows}
 | training | {trained} |
+| data | {data_line(summary.get("data") or {}).removeprefix("data: ")} |
 
 The validation prompts are the project's shipped `train` prompts (the held-out ones' kind){yours},
 answered by the target and never trained on: their simulated τ chose the drafter, and the gap says
