@@ -394,3 +394,53 @@ def test_data_that_came_out_faster_grows_once_and_stays_grown(files, tmp_path, m
     assert again.state["plan"]["records"] == base.records  # the plan it grew from
     other = job(dtype="float32")  # another plan: the growth does not carry over
     assert "grown" not in other.state["plan"] and other.plan.records == base.records
+
+
+def test_a_probed_job_trains_at_the_probes_rate_not_the_caches(files, tmp_path, monkeypatch):
+    """The cache stage ran 1.7x its planned rate: with a probe (which timed training steps) the
+    training schedule keeps the probe's rate; without one, the cache's factor scales it."""
+    from draftsmith.recipes import quickstart
+    from draftsmith.train import device as device_module
+
+    monkeypatch.setattr(budget, "probe_rates", lambda *a, **k: _scaled(1.0))
+    monkeypatch.setattr(device_module, "native_bf16", lambda d: True)
+    seen = {}
+
+    def schedule(left_s, **kwargs):
+        seen.update(kwargs)
+        return budget.train_schedule(left_s, **kwargs)
+
+    monkeypatch.setattr(quickstart, "train_schedule", schedule)
+    cache = tmp_path / "data" / "cache"
+    cache.mkdir(parents=True)
+    (cache / "manifest.json").write_text(json.dumps({"num_samples": 300, "num_tokens": 60000}))
+    for probe in (True, False):
+        qs = quickstart.Quickstart(quickstart.QuickstartConfig(out_dir=tmp_path, probe=probe), [])
+        qs._load_state()
+        qs.target_path = files / "target"
+        qs._make_plan(0, torch.device("cpu"))
+        seconds = RATES.load_s + 60000 / (1.7 * qs.rates.cache_tokens_per_s)
+        qs.state["stages"] = {"cache": {"last_seconds": seconds, "seconds": seconds, "runs": 1}}
+        qs._train()
+        assert seen["speed"] == pytest.approx(1.7, rel=0.01)
+        assert seen["train_speed"] == (1.0 if probe else None)
+    fast = budget.train_schedule(
+        600,
+        samples=300,
+        val_samples=30,
+        tokens=60000,
+        samples_per_step=8,
+        train_steps=None,
+        speed=1.7,
+    )
+    probed = budget.train_schedule(
+        600,
+        samples=300,
+        val_samples=30,
+        tokens=60000,
+        samples_per_step=8,
+        train_steps=None,
+        speed=1.7,
+        train_speed=1.0,
+    )
+    assert fast["epochs"] == pytest.approx(1.7 * probed["epochs"], rel=0.02)
