@@ -917,7 +917,9 @@ class Quickstart(StageJob):
                 train_steps=cfg.train_steps,
                 speed=speed_factor(tokens, self.state["stages"].get("cache", {}), self.rates),
                 # The probe timed training steps here: its rate needs no cache correction.
-                train_speed=1.0 if (self.state["plan"].get("probe") or {}).get("probed") else None,
+                train_speed=1.0
+                if ((self.state.get("plan") or {}).get("probe") or {}).get("probed")
+                else None,
                 rates=self.rates,
                 val_tokens=val_tokens,
             )
