@@ -33,3 +33,25 @@ draftsmith export --format speculators --checkpoint $R/eagle31_301/best --out $R
   --method eagle3 --draft $R/eagle31_export --k 3 --prompts ../shared/data/alpaca_2k.jsonl --split heldout \
   --limit 16 --max-new-tokens 64 --dtype float32 --out bench/issue26_avx2/vllm31.json
 draftsmith evaluate --drafter eagle=$R/eagle31_301/best $EV --limit 16 --out bench/issue26_avx2/eval16_eagle31.json
+# --- Later the same day (commit d8f2273 and after) -------------------------------------------
+# 4. Target layers 2 15 29 (EAGLE-3.1 settings), its own cache, the same schedule paused at 301.
+D2=/work/runs/i26b
+draftsmith data cache --data $D/sd1000_fp32_tok --layers 2 15 29 30 --target-dtype auto --dtype bf16 \
+   --max-length 512 --draft-vocab-size 8192 --out $D/cache_sd1000_l2_15_29
+python recipes/eagle.py --config recipes/configs/eagle3_smollm2.yaml --eval-every 50 --save-every 100 \
+   --max-steps 726 --max-minutes 60 --stop-after-steps 301 --data $D/alpaca1000_train_sd_smollm2_fp32_greedy128.jsonl \
+   --hidden-states-cache $D/cache_sd1000_l2_15_29 --feature-layers 2 15 29 --output-dir $D2/eagle31_layers_2_15_29
+draftsmith evaluate --drafter eagle=$D2/eagle31_layers_2_15_29/best $EV --limit 100 --out bench/issue26_avx2/eval_layers_2_15_29.json
+# Paired comparisons over the same prompts (bootstrap over prompts).
+for V in layers_2_15_29 lkhybrid limit250; do
+  python bench/issue26_avx2/paired_tau.py bench/issue26_avx2/eval_eagle31.json bench/issue26_avx2/eval_$V.json
+done
+# 5. README command 1 on fresh clones (venv /tmp/qsvenv), before (29b9760) and after (d8f2273) the
+#    data growth: pip install torch==2.13.0 && pip install -e ".[dev]" && draftsmith quickstart
+#    (state, summary, evaluation, training metrics in bench/issue26_avx2/quickstart30_*), then each
+#    best/ on all 32 held-out prompts, τ only:
+for V in 29b9760:/tmp/qs_fresh d8f2273:/tmp/qs_fresh2; do
+  draftsmith evaluate --drafter eagle=${V#*:}/runs/quickstart/eagle3/best --k 3 --max-new-tokens 128 \
+    --dtype float32 --no-baseline --no-reference-plain --threads 1 \
+    --out bench/issue26_avx2/quickstart30_${V%%:*}/eval32_fp32_tau.json
+done
