@@ -33,3 +33,8 @@ echo BENCH25_DONE
 draftsmith bench --merge $O/s0.json $O/s1.json --out $O/served --cost-profile bench/forward_cost_avx2_fp32_1thread.json \
    --vllm-python /work/venvs/vllm/bin/python --served-concurrency 1 --served-limit 16 --no-served-schedule
 echo SERVED25_DONE
+# 2026-12-03: Medusa-2 served by vLLM (its heads with its own merged target, which the bench's
+# merged report names), 16 prompts, one request in flight.
+draftsmith bench --merge $O/m2_s0.json $O/m2_s1.json --out $O/served_m2 --cost-profile bench/forward_cost_avx2_fp32_1thread.json \
+   --vllm-python /work/venvs/vllm/bin/python --served-concurrency 1 --served-limit 16 --no-served-schedule
+echo SERVED_M2_DONE
