@@ -424,23 +424,7 @@ def test_a_probed_job_trains_at_the_probes_rate_not_the_caches(files, tmp_path, 
         qs._train()
         assert seen["speed"] == pytest.approx(1.7, rel=0.01)
         assert seen["train_speed"] == (1.0 if probe else None)
-    fast = budget.train_schedule(
-        600,
-        samples=300,
-        val_samples=30,
-        tokens=60000,
-        samples_per_step=8,
-        train_steps=None,
-        speed=1.7,
-    )
-    probed = budget.train_schedule(
-        600,
-        samples=300,
-        val_samples=30,
-        tokens=60000,
-        samples_per_step=8,
-        train_steps=None,
-        speed=1.7,
-        train_speed=1.0,
-    )
+    shape = {"samples": 300, "val_samples": 30, "tokens": 60000, "samples_per_step": 8}
+    fast = budget.train_schedule(600, **shape, train_steps=None, speed=1.7)
+    probed = budget.train_schedule(600, **shape, train_steps=None, speed=1.7, train_speed=1.0)
     assert fast["epochs"] == pytest.approx(1.7 * probed["epochs"], rel=0.02)

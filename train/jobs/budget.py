@@ -415,8 +415,7 @@ def grow_plan(
     )
     # Still to come: the two data stages again, validation, tokenize, cache and train starts,
     # then evaluation and export.
-    later = 2 * fast.load_s + est["validation"] + est["tokenize"] + 2 * fast.load_s
-    later += plan.reserve_s
+    later = 4 * fast.load_s + est["validation"] + est["tokenize"] + plan.reserve_s
     left = PLAN_SHARE * plan.budget_s - spent_s - later
     left -= plan.records * (cache_cost + epochs_cost)
     extra = math.floor(max(left, 0.0) / (magpie_cost + record_cost + epochs_cost))
