@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
-import sys
 
-import datasets
 from datasets import load_from_disk
+
+from draftsmith.train.runinfo import run_info
 
 
 def padded_per_batch(path: str, batch_size: int, draws: int, seed: int) -> tuple[float, float, int]:
@@ -40,12 +39,7 @@ def main() -> None:
     other = padded_per_batch(args.other, args.batch_size, args.draws, 0)
     ratio = ref[0] / other[0]
     out = {
-        "command": " ".join(["python", *sys.argv]),
-        "versions": {"python": platform.python_version(), "datasets": datasets.__version__},
-        "machine": {
-            "processor": platform.processor() or platform.machine(),
-            "system": platform.platform(),
-        },
+        **run_info(),
         "ref": {
             "path": args.ref,
             "padded_positions_per_batch": ref[0],
