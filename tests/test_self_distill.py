@@ -275,7 +275,7 @@ def test_kill_and_resume_is_byte_identical(tmp_path, model, tok, sampling):
         _run(model, tok, convs, out, sampling=sampling, seed=3, on_batch=kill_after_two)
     assert len(out.read_bytes().splitlines()) == 4
     stats = _run(model, tok, convs, out, sampling=sampling, seed=3)
-    assert stats.already_done == 4 and stats.written == 5
+    assert stats.already_done == 4 and stats.written == 5 and stats.regenerated == 0
     assert out.read_bytes() == reference
 
     # 2. A kill during a write: the file ends in the middle of a line, inside a batch.
@@ -286,11 +286,31 @@ def test_kill_and_resume_is_byte_identical(tmp_path, model, tok, sampling):
         shutil.copy(full.with_name(full.name + ".meta"), cut.with_name(cut.name + ".meta"))
         stats = _run(model, tok, convs, cut, sampling=sampling, seed=3)
         assert stats.discarded_partial_line and stats.already_done == cut_line
+        # Cut inside batch 2 (lines 2-3), its written record is answered again, not written twice.
+        assert stats.regenerated == cut_line - 2 and stats.written == 9 - cut_line
         assert cut.read_bytes() == reference
 
     # 3. Nothing left to do: the file is untouched.
     stats = _run(model, tok, convs, full, sampling=sampling, seed=3)
     assert stats.written == 0 and full.read_bytes() == reference
+
+
+def test_a_grown_selection_answers_only_the_new_records(tmp_path, model, tok):
+    """More prompts than the output was made for (the quickstart growing its data): the written
+    records stay as they are and are not answered again; only the new ones are generated."""
+    convs, _ = load_records(write_jsonl(tmp_path / "in.jsonl", alpaca_rows(9)))
+    out = tmp_path / "o.jsonl"
+    first = _run(model, tok, convs[:5], out)
+    assert first.written == 5
+    written = out.read_bytes()
+
+    grown = _run(model, tok, convs, out)
+    assert grown.already_done == 5 and grown.written == 4
+    # Sorted by length, the 9 prompts' batches of 2 mix written and new records; none is redone.
+    assert grown.regenerated == 0
+    assert out.read_bytes().startswith(written)
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == list(range(9))
 
 
 def test_resume_refuses_other_settings_and_foreign_files(tmp_path, model, tok):

@@ -300,6 +300,11 @@ def _print_summary(cfg: SelfDistillConfig, stats: DistillStats, *, endpoint: boo
         f"({stats.tokens_per_second:.1f} tok/s) for prompts of {stats.prompt_tokens} tokens; "
         f"{stats.truncated} records hit max_new_tokens",
     ]
+    if stats.regenerated:
+        lines.append(
+            f"{stats.regenerated} records already there were answered again and not written "
+            "(they share the batch a kill cut short, which is regenerated whole)"
+        )
     if endpoint:
         lines.append(
             f"{stats.token_mismatches} of {stats.checked_turns} generated turns did not "
