@@ -1057,9 +1057,7 @@ class Quickstart(StageJob):
         serve = vllm_serve_command(target, export, self.cfg.k)
         plots = write_quickstart_plots(self.out / PLOTS, training, result)
         stages = self.state["stages"]
-        ran_now = sum(
-            stages[s].get("last_seconds", 0.0) for s, r in self.this_run.items() if r == "ran"
-        )
+        ran_now = sum(self.seconds_this_run.values())
         summary = {
             "dtype": result.get("dtype") or self.plan.eval_dtype,
             "acceptance_length": result.get("acceptance_length"),

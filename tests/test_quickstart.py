@@ -878,6 +878,9 @@ def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monke
     answers = (out / "data/answers.jsonl").read_text().splitlines()
     assert len(answers) == 16  # 11 of yours + 3 + 2 by the target
     assert state(out)["plan"]["grown"]["magpie_prompts"] == 5
+    # One run made all of it: its time "in this run" counts both legs of the data stages.
+    ran = sum(s["seconds"] for s in state(out)["stages"].values())
+    assert state(out)["summary"]["seconds_this_run"] == pytest.approx(ran, abs=0.5)
     # A rerun keeps the grown sizes: nothing is redone.
     code, printed = run_job(argv)
     assert code == 0 and {s["runs"] for s in state(out)["stages"].values()} <= {1, 2}

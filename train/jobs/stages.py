@@ -140,6 +140,8 @@ class StageJob:
         self.state: dict[str, Any] = {}
         self.prev_key = self.prev_strict = ""
         self.this_run: dict[str, str] = {}
+        #: Seconds each stage ran in this process, every time it ran.
+        self.seconds_this_run: dict[str, float] = {}
 
     # --- state ------------------------------------------------------------------------------
 
@@ -280,19 +282,19 @@ class StageJob:
         try:
             code = self.call(argv)
         except KeyboardInterrupt:
-            self._finish(rec, start, "interrupted")
+            self._finish(stage.name, rec, start, "interrupted")
             raise StageInterrupted(header) from None
         except BaseException as exc:
-            self._finish(rec, start, "failed", error=f"{type(exc).__name__}: {exc}")
+            self._finish(stage.name, rec, start, "failed", error=f"{type(exc).__name__}: {exc}")
             raise
         finally:
             gc.collect()  # each stage loads its own target: free the last one first
         if code == 130:  # the command caught Ctrl-C/SIGTERM itself and kept its output
-            self._finish(rec, start, "interrupted")
+            self._finish(stage.name, rec, start, "interrupted")
             raise StageInterrupted(header)
         note = stage.accept(code) if (code and stage.accept is not None) else None
         if code and note is None:
-            self._finish(rec, start, "failed", error=f"exit code {code}")
+            self._finish(stage.name, rec, start, "failed", error=f"exit code {code}")
             kind = UsageError if code == 2 else RunError
             raise kind(
                 f"stage {header} failed (exit {code}; its error is above). Rerun only this "
@@ -304,12 +306,16 @@ class StageJob:
         if not stage.complete():
             # A command may return 0 after Ctrl-C with its output resumable but not complete
             # (a training recipe with a checkpoint but no drafter/).
-            self._finish(rec, start, "interrupted")
+            self._finish(stage.name, rec, start, "interrupted")
             raise StageInterrupted(header)
-        self._finish(rec, start, "done", **(note or {}))
+        self._finish(stage.name, rec, start, "done", **(note or {}))
 
-    def _finish(self, rec: dict[str, Any], start: float, status: str, **extra: Any) -> None:
+    def _finish(
+        self, name: str, rec: dict[str, Any], start: float, status: str, **extra: Any
+    ) -> None:
         seconds = time.monotonic() - start
+        # Summed, not replaced: a stage may run twice in one job (the quickstart growing its data).
+        self.seconds_this_run[name] = self.seconds_this_run.get(name, 0.0) + seconds
         rec["status"] = status
         rec["finished"] = _utc_now()
         rec["last_seconds"] = round(seconds, 1)
