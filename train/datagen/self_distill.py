@@ -377,7 +377,7 @@ def self_distill(
         stats.already_done = len(done)
         write_meta(meta_path, {"settings": settings, "complete": False})
 
-        # --- plan: the batches depend on the whole selection only, never on what is done -----
+        # --- plan: the batches depend on the whole selection (unless it grew, below) ----------
         plans = {c.id: _plan_turns(c, turns) for c in conversations}
         order = list(conversations)
         if sort_by_length:
