@@ -238,12 +238,15 @@ def cache_final_layer(tmp_path, target_dir, max_length: int | None = None) -> li
 
 
 def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir):
-    assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0)) == 0
+    # The cache holds fp32 features: the online run's target computes in fp32 too (`auto` is bf16
+    # on a CPU with AVX512-BF16, and bf16 features would train different heads).
+    assert train_medusa(args(tmp_path, tiny_target_dir, save_every=0, target_dtype="fp32")) == 0
     cache_final_layer(tmp_path, tiny_target_dir)
     offline = args(
         tmp_path,
         tiny_target_dir,
         save_every=0,
+        target_dtype="fp32",
         hidden_states="offline",
         hidden_states_cache=tmp_path / "cache",
         output_dir=tmp_path / "off",
