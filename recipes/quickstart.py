@@ -194,7 +194,7 @@ CACHE_TARGET_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 DRAFT_VOCAB_SIZE = 8192  # the shipped config's: ~97 % of SmolLM2's answer tokens
 MAGPIE_MAX_NEW_TOKENS = 64  # a user message; longer candidates are cut ("unfinished") early
 MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget, not the count
-# Prompts decoded together by Magpie and self-distillation on the CPU (~90 tok/s in bf16) and
+# Prompts decoded together by Magpie and self-distillation on the CPU (~185-300 tok/s in bf16) and
 # without a probe; the probe picks a GPU's (budget.generation_batch_size).
 BATCH_SIZE = 64
 SHARD_MB = 64  # small cache shards: a killed cache build loses at most one shard's work

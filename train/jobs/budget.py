@@ -89,8 +89,11 @@ class Rates:
         load_s: one stage's start: imports and loading the target.
         generate_tokens_per_s: batched generation at batch 64 (self-distillation; Magpie uses
             the same decoder).
-        magpie_tokens_per_prompt: generated tokens per kept Magpie prompt. Not measured: about
-            half of the candidates kept, ~40 tokens each, is an assumption.
+        magpie_tokens_per_prompt: Magpie's cost per kept prompt, in tokens at
+            ``generate_tokens_per_s``: it judges ~1.3 candidates per kept prompt, each ~40
+            tokens, decoded at about half self-distillation's rate (shorter rows). Measured 83
+            (491 prompts in 160 s, the 30-minute job) and 127 (369 in 143 s, a grown job's
+            second Magpie run).
         cache_tokens_per_s: hidden-state caching, bf16 target.
         train_tokens_per_s: EAGLE-3 offline training at the shipped settings.
         eval_tokens_per_s: one decoding stream of the evaluation (plain and speculative, both
@@ -105,11 +108,17 @@ class Rates:
 
     prepare_s: float = 45.0
     load_s: float = 5.0
-    generate_tokens_per_s: float = 90.0
-    magpie_tokens_per_prompt: float = 80.0
-    cache_tokens_per_s: float = 480.0
-    train_tokens_per_s: float = 670.0
-    eval_tokens_per_s: float = 10.0
+    # Recalibrated 2026-12-03 from two quickstart jobs on a 2-core AVX512-BF16 EPYC (30 min on
+    # Magpie prompts, 60 min on Alpaca ones): each stage's measured rate ÷ its probe reading ×
+    # PROBE_REFERENCE, the two jobs' geometric mean. The rates before (90, 480, 670, 10) planned
+    # the data 1.8-2.4x slower than it ran (so every job grew its data), the cache 1.5-1.7x
+    # slower, the evaluation 1.4x slower, and training 1.25x faster (the time limit cut both
+    # jobs' cosine schedules at 80 % of their steps): docs/quickstart.md "The budget".
+    generate_tokens_per_s: float = 185.0
+    magpie_tokens_per_prompt: float = 100.0  # 83 and 127 measured, at the rate above
+    cache_tokens_per_s: float = 755.0
+    train_tokens_per_s: float = 520.0
+    eval_tokens_per_s: float = 14.0
     prompt_tokens: float = 80.0
     answer_share: float = 0.9
     train_overhead_s: float = 30.0
@@ -306,8 +315,14 @@ def make_plan(
     else:
         # Each seed costs its answer, cache and epochs; each Magpie prompt its writing besides.
         left = usable - seeds * (record_cost + epochs_cost)
-        magpie = max(0, math.floor(left / (magpie_cost + record_cost + epochs_cost)))
-        records = max(MIN_RECORDS, seeds + magpie)
+        if left >= 0:
+            magpie = math.floor(left / (magpie_cost + record_cost + epochs_cost))
+            records = max(MIN_RECORDS, seeds + magpie)
+        else:
+            # More of the user's prompts than the budget answers and trains on: the first that
+            # fit, in file order (answering them all would leave training a minute).
+            records = max(MIN_RECORDS, math.floor(usable / (record_cost + epochs_cost)))
+            magpie = 0
         magpie = max(magpie, records - seeds)
     answered = min(records, seeds + magpie) if records is not None else seeds + magpie
     est["prompts"] = rates.load_s + magpie * magpie_cost
@@ -395,7 +410,8 @@ def grow_plan(
         factor: :func:`generation_factor`.
 
     Returns:
-        The plan with ``extra`` more Magpie prompts answered, or None when the sizes were asked
+        The plan with more records answered (the user's prompts left out of it first, then
+        Magpie's), or None when the sizes were asked
         for (``num_prompts``/``records``), the data was not faster, or fewer than
         ``max(MIN_GROWTH, GROWTH_SHARE * records)`` more records fit.
     """
@@ -417,13 +433,20 @@ def grow_plan(
     # then evaluation and export.
     later = 4 * fast.load_s + est["validation"] + est["tokenize"] + plan.reserve_s
     left = PLAN_SHARE * plan.budget_s - spent_s - later
-    left -= plan.records * (cache_cost + epochs_cost)
-    extra = math.floor(max(left, 0.0) / (magpie_cost + record_cost + epochs_cost))
+    left = max(left - plan.records * (cache_cost + epochs_cost), 0.0)
+    # The user's prompts left out of the plan come first (no writing to pay), then Magpie's.
+    spare = max(0, plan.seeds - plan.records)
+    from_seeds = min(spare, math.floor(left / (record_cost + epochs_cost)))
+    left -= from_seeds * (record_cost + epochs_cost)
+    from_magpie = (
+        math.floor(left / (magpie_cost + record_cost + epochs_cost)) if from_seeds == spare else 0
+    )
+    extra = from_seeds + from_magpie
     if extra < max(MIN_GROWTH, GROWTH_SHARE * plan.records):
         return None
     records = plan.records + extra
     # The data stages' estimates become those of the runs that extend them.
-    est["prompts"] = fast.load_s + extra * magpie_cost
+    est["prompts"] = fast.load_s + from_magpie * magpie_cost
     est["distill"] = fast.load_s + extra * answer / fast.generate_tokens_per_s
     est["cache"] = fast.load_s + records * cache_cost
     making = est["prompts"] + est["distill"] + est["validation"] + est["tokenize"]
@@ -431,7 +454,9 @@ def grow_plan(
         MIN_TRAIN_S,
         PLAN_SHARE * plan.budget_s - spent_s - making - est["cache"] - plan.reserve_s,
     )
-    return dataclasses.replace(plan, records=records, magpie=plan.magpie + extra, estimates=est)
+    return dataclasses.replace(
+        plan, records=records, magpie=max(plan.magpie, records - plan.seeds), estimates=est
+    )
 
 
 def speed_factor(cache_tokens: int, cache_record: dict[str, Any], rates: Rates = RATES) -> float:
