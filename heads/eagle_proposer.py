@@ -205,8 +205,15 @@ class EagleProposer:
         parent_list: list[int] = []
         score_list: list[float] = []
 
-        def children(h: torch.Tensor, parents: list[int], base: list[float]) -> list[int]:
-            """Add the topk children of each row of h; return the new node indices."""
+        def children(
+            h: torch.Tensor, parents: list[int], base: list[float]
+        ) -> list[tuple[int, int]]:
+            """Add the topk children of each row of h; return ``(new node, its row of h)``.
+
+            One head call for all rows: the draft head's weights (8k x H in fp32) are read
+            once per level, not once per parent -- at batch 1 on a CPU the head is memory-bound
+            (2.2 ms per call for SmolLM2's drafter on one thread).
+            """
             logits = d.logits(h)[0].float()  # [m, V_draft]
             if sampling.greedy:
                 logp = torch.log_softmax(logits, dim=-1)
@@ -219,13 +226,13 @@ class EagleProposer:
                 for c in range(len(vals[r])):
                     if vals[r][c] == float("-inf"):  # outside the processed distribution
                         continue
-                    new.append(len(tok_list))
+                    new.append((len(tok_list), r))
                     tok_list.append(tids[r][c])
                     parent_list.append(parent)
                     score_list.append(base[r] + vals[r][c])
             return new
 
-        layer = children(hidden, [-1], [0.0])
+        layer = [n for n, _ in children(hidden, [-1], [0.0])]
         node_hidden = {n: 0 for n in layer}  # node -> row in `feat` of its parent's output
         feat = hidden  # [1, m, H] outputs whose rows feed the next level
         slot: dict[int, int] = {}  # node -> index of its entry in the drafter cache
@@ -248,12 +255,9 @@ class EagleProposer:
             inp = feat[:, [node_hidden[n] for n in frontier]]
             pos = torch.full((1, m), base_pos + level, device=dev)
             out, _ = d(emb, inp, pos, attention_mask=mask[None, None].to(dev), cache=self._cache)
-            layer = []
-            for r, n in enumerate(frontier):
-                kids = children(out[:, r : r + 1], [n], [score_list[n]])
-                layer.extend(kids)
-                for kid in kids:
-                    node_hidden[kid] = r
+            born = children(out, frontier, [score_list[n] for n in frontier])
+            layer = [kid for kid, _ in born]
+            node_hidden.update(born)
             feat = out
         keep = sorted(range(len(tok_list)), key=lambda n: (-score_list[n], n))
         keep = sorted(keep[: self.total_tokens])

@@ -91,17 +91,32 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row.
+    """Draw one token per row, by inverting each row's cumulative distribution.
+
+    One uniform per row against the row's running sum: token i is drawn when
+    ``c[i-1] <= u < c[i]`` with ``u ~ U[0, c[V-1])``, i.e. with probability ``probs[i] / sum``;
+    zero-probability tokens have an empty interval and are never drawn. ``torch.multinomial``
+    draws the same distribution but on the CPU spends 1.4 ms on one 49,152-token row (it makes
+    per-element randomness) against 0.07 ms here (``bench/sampling_cpu.json``), and a sampled
+    speculative step draws several rows.
 
     Args:
-        probs: ``[..., V]`` probabilities (need not be normalised, must be non-negative).
+        probs: ``[..., V]`` probabilities (need not be normalised, must be non-negative with a
+            positive sum per row).
         generator: source of randomness, for reproducible runs.
 
     Returns:
         ``[...]`` long tensor of token ids.
     """
     flat = probs.reshape(-1, probs.shape[-1])
-    out = torch.multinomial(flat, 1, generator=generator)
+    # float64 running sums: a 49k-term float32 sum drifts by ~1e-6, the size of rare tokens.
+    cum = flat.double().cumsum(-1)  # [R, V]
+    total = cum[:, -1:].contiguous()
+    u = torch.rand(total.shape, generator=generator, device=flat.device, dtype=torch.float64)
+    out = torch.searchsorted(cum, u * total, right=True)  # [R, 1]
+    # u * total rounds up to total once in ~2^53 draws: take the last token with mass then.
+    last = torch.searchsorted(cum, total, right=False)
+    out = torch.minimum(out, last)
     return out.reshape(probs.shape[:-1])
 
 

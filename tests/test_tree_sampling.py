@@ -171,7 +171,7 @@ def test_sampled_tree_matches_target_distribution(model, case):
 def broken_rule(bug: str):
     """The sampled tree decision with one mistake (same inputs and output as the loop's)."""
 
-    def decide(logits, proposal, kids, sampling, generator):
+    def decide(logits, proposal, kids, inner, depth, sampling, generator):
         p = logits_to_probs(logits, sampling)
         u = torch.rand(p.shape[0], generator=generator)
         toks = [0, *proposal.tokens.tolist()]
@@ -194,7 +194,8 @@ def broken_rule(bug: str):
                     r = r / r.sum()
             first.append(chosen)
             rows.append(r)
-        return torch.cat([torch.tensor(first), sample(torch.stack(rows), generator)])
+        last = speculative._tree_path(first)[-1:] or [0]
+        return torch.cat([torch.tensor(first), sample(rows[last[0]], generator)[None]])
 
     return decide
 
@@ -269,8 +270,8 @@ def test_each_node_emits_its_own_target_distribution():
         for _ in range(draws):
             tokens, probs = candidates(mode)
             prop = Proposal(tokens, probs, torch.tensor(par))
-            out = speculative._accept_tree_sampled(logits, prop, kids, sampling, g).tolist()
-            path, nxt = speculative._tree_path(out[:5], out[5:])
+            out = speculative._accept_tree_sampled(logits, prop, *kids, 2, sampling, g).tolist()
+            path, nxt = speculative._tree_path(out[:5]), out[5]
             emitted = [int(tokens[r - 1]) for r in path] + [nxt]
             first[emitted[0]] += 1
             if path[:1] == [1]:
@@ -408,3 +409,30 @@ def test_greedy_trees_unchanged_and_draw_nothing(target):
         out = generate(target, prompt, drafter, k=3, max_new_tokens=20, generator=gen)
         assert out.tokens == ref, type(drafter).__name__
         assert torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_hot_shortcut_decides_as_the_full_residual_rule(seed):
+    """Deterministic candidates take a shortcut (acceptance from p gathered at the candidates,
+    one residual row at the end); given the same randomness it makes the same decisions and
+    draws the same token as the general rule fed explicit one-hot q rows, duplicates included."""
+    v = 7
+    g = torch.Generator().manual_seed(seed)
+    par = [-1, -1, -1, 0, 0, 1, 3, 3, -1]
+    n = len(par)
+    logits = 2.0 * torch.randn(n + 1, v, generator=g)
+    sampling = SamplingParams(temperature=1.0, top_k=6)
+    kids = speculative._tree_children(par, torch.device("cpu"))
+    depth = int(speculative._tree_inputs(par, 0, torch.device("cpu"))[2].max())
+    for trial in range(50):
+        tokens = torch.randint(0, v, (n,), generator=g)
+        tokens[1] = tokens[0]  # a repeated root candidate
+        one_hot = torch.nn.functional.one_hot(tokens, v).float()
+        outs = []
+        for probs in (None, one_hot):
+            prop = Proposal(tokens, probs, torch.tensor(par))
+            rng = torch.Generator().manual_seed(100 * seed + trial)
+            outs.append(
+                speculative._accept_tree_sampled(logits, prop, *kids, depth, sampling, rng).tolist()
+            )
+        assert outs[0] == outs[1], (trial, outs)
