@@ -92,15 +92,17 @@ def test_batched_greedy_equals_unbatched_loop(model, tok):
 def test_batched_sampling_equals_unbatched_with_same_generators(model, tok):
     prompts = [prompt_ids(tok, p) for p in PROMPTS[:4]]
     sampling = SamplingParams(temperature=1.0, top_p=0.9)
+    # Each prompt alone (a batch of one, no padding) with its own generator: a row's tokens
+    # must not depend on its batch neighbours. Not the speculative loop's plain decoding: that
+    # draws by inverting the CDF, which a top-p boundary moved by padding's rounding can shift.
     ref = [
-        generate(
+        generate_batch(
             model,
-            p,
-            None,
+            [p],
             max_new_tokens=MAX_NEW,
             sampling=sampling,
-            generator=torch.Generator().manual_seed(100 + i),
-        ).tokens
+            generators=[torch.Generator().manual_seed(100 + i)],
+        )[0].tokens
         for i, p in enumerate(prompts)
     ]
     gens = [torch.Generator().manual_seed(100 + i) for i in range(len(prompts))]

@@ -252,7 +252,7 @@ def _accept_tree_sampled(
         logits: ``[n + 1, V]`` target logits at the root and at each node.
         proposal: the n nodes (tokens, and probs or None), on the logits' device.
         kids, inner: :func:`_tree_children` of the proposal's parents.
-        depth: the tree's depth (the most steps the walk can take).
+        depth: at least the tree's depth (the walk's most steps; extra steps stay at its end).
         sampling: sampling parameters (not greedy).
         generator: randomness, on the logits' device.
 
@@ -462,7 +462,7 @@ def generate(
         inputs = torch.cat([ids[:, -1], draft])[None]
         if tree:
             par = proposal.parents.tolist()  # sync: the tree's shape builds the mask on the host
-            mask, pos, depth = _tree_inputs(par, past, device)
+            mask, pos, _ = _tree_inputs(par, past, device)
             kids = None if sampling.greedy else _tree_children(par, device)
             out = target(
                 input_ids=inputs,
@@ -484,8 +484,9 @@ def generate(
                 decision = logits.argmax(dim=-1)  # [n + 1]
             else:  # [n + 2]
                 tree_proposal = Proposal(draft, proposal.probs, proposal.parents)
+                # n bounds the depth: the walk stays put once it stops, so extra steps are free.
                 decision = _accept_tree_sampled(
-                    logits, tree_proposal, *kids, int(depth.max()), sampling, generator
+                    logits, tree_proposal, *kids, n, sampling, generator
                 )
             read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome
             toks = read[-n:]
