@@ -96,8 +96,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     One uniform per row against the row's running sum: token i is drawn when
     ``c[i-1] <= u < c[i]`` with ``u ~ U[0, c[V-1])``, i.e. with probability ``probs[i] / sum``;
     zero-probability tokens have an empty interval and are never drawn. ``torch.multinomial``
-    draws the same distribution but on the CPU spends 1.4 ms on one 49,152-token row (it makes
-    per-element randomness) against 0.07 ms here (``bench/sampling_cpu.json``), and a sampled
+    draws the same distribution but on the CPU spends 1.05 ms on one 49,152-token row (it makes
+    per-element randomness) against 0.095 ms here (``bench/sampling_cpu.json``), and a sampled
     speculative step draws several rows.
 
     Args:
