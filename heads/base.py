@@ -64,11 +64,18 @@ class Proposal:
         parents: ``[n]`` long, tree drafts only: index of each node's parent in ``tokens``, -1 for
             children of the root (the last accepted token). Parents come before children. None
             means a chain (node i's parent is i-1).
+        priority: ``[n]`` long, optional, tree drafts only: each node's rank in the drafter's
+            own order of confidence (0 = most confident), such that the best m nodes of every m
+            contain each other's parents, as EAGLE-2's reranking keeps them (§4.2). The loop
+            then also counts what each smaller tree of the best m nodes would have accepted
+            (``GenerationOutput.accepted_by_tree_size``), from which the bench predicts the best
+            tree size. None: no such order (a static tree).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     parents: torch.Tensor | None = None
+    priority: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -140,6 +147,12 @@ class GenerationOutput:
         wall_time: seconds for the whole sequence (prefill included).
         draft_time: seconds spent inside the drafter.
         prefill_time: seconds of the prompt forward (and the drafter's start).
+        accepted_by_tree_size: ``[m]``, tree drafters that rank their nodes
+            (``Proposal.priority``) only: entry j sums, over the tree steps, the path length the
+            step would have accepted had its tree kept only its best j + 1 nodes (the last
+            entry: every node of the largest tree). Exact for greedy decoding; for sampling,
+            what the same sibling tests would decide (SpecInfer's rule tests siblings in order,
+            and a pruned tree keeps a prefix of each node's children). Empty otherwise.
     """
 
     tokens: list[int]
@@ -152,6 +165,7 @@ class GenerationOutput:
     wall_time: float = 0.0
     draft_time: float = 0.0
     prefill_time: float = 0.0
+    accepted_by_tree_size: list[int] = field(default_factory=list)
 
     @property
     def acceptance_length(self) -> float:

@@ -259,12 +259,17 @@ class EagleProposer:
             layer = [kid for kid, _ in born]
             node_hidden.update(born)
             feat = out
-        keep = sorted(range(len(tok_list)), key=lambda n: (-score_list[n], n))
-        keep = sorted(keep[: self.total_tokens])
+        ranked = sorted(range(len(tok_list)), key=lambda n: (-score_list[n], n))
+        rank = {n: r for r, n in enumerate(ranked)}
+        keep = sorted(ranked[: self.total_tokens])
         new_index = {n: i for i, n in enumerate(keep)}
         parents = [new_index[parent_list[n]] if parent_list[n] != -1 else -1 for n in keep]
         self.last_scores = torch.tensor([score_list[n] for n in keep])
         return Proposal(
             tokens=torch.tensor([tok_list[n] for n in keep], dtype=torch.long, device=dev),
             parents=torch.tensor(parents, dtype=torch.long, device=dev),
+            # The reranking order: its best m nodes are the tree this proposer keeps at
+            # total_tokens = m (the loop counts what each would accept). A host tensor: the
+            # loop reads it on the host with the tree's parents.
+            priority=torch.tensor([rank[n] for n in keep], dtype=torch.long),
         )

@@ -69,6 +69,7 @@ __all__ = [
     "ResidualBlock",
     "build_tree",
     "check_choices",
+    "tree_order",
     "expected_acceptance_length",
     "load_accuracy",
     "load_medusa",
@@ -469,6 +470,28 @@ def build_tree(
     return sorted(chosen, key=lambda n: (len(n), n))
 
 
+def tree_order(
+    choices: Sequence[Sequence[int]], rank_accuracy: Sequence[Sequence[float]]
+) -> Choices:
+    """A tree's nodes best first, by :func:`build_tree`'s value (ties: the node tuple).
+
+    The order :func:`build_tree` chose them in: a node is worth no more than its parent and a
+    parent's tuple sorts before its children's, so the first m nodes always form a tree. When a
+    head's accuracies do not fall with rank, a best-m tree can keep a later sibling without an
+    earlier one; its predicted acceptance is then exact when greedy only.
+    """
+
+    def value(node: Sequence[int]) -> float:
+        p = 1.0
+        for d, r in enumerate(node):
+            row = rank_accuracy[d]
+            p *= float(row[r]) if r < len(row) else 0.0
+        return p
+
+    nodes = [tuple(int(r) for r in c) for c in choices]
+    return sorted(nodes, key=lambda n: (-value(n), n))
+
+
 def expected_acceptance_length(
     choices: Sequence[Sequence[int]], rank_accuracy: Sequence[Sequence[float]]
 ) -> float:
@@ -501,6 +524,10 @@ class MedusaProposer:
             normed output, index ``num_target_layers`` in HF's ``hidden_states``.
         medusa_choices: tree nodes (see :func:`check_choices`); None drafts a chain.
         name: how reports call it; default ``medusa-chain`` or ``medusa-tree``.
+        node_order: the tree's nodes best first, such that the first m of them form a tree for
+            every m (:func:`build_tree`'s choice order, :func:`tree_order`). Proposals then
+            carry it as ``Proposal.priority``, and the loop counts what each smaller tree would
+            have accepted (the bench's tree-size prediction). None: no order.
 
     A tree is drafted at every temperature (top-k candidates, no probs: see the module
     docstring). ``k`` caps the chain length and the tree depth; nodes deeper than k are left out
@@ -513,6 +540,7 @@ class MedusaProposer:
         num_target_layers: int,
         medusa_choices: Sequence[Sequence[int]] | None = None,
         name: str | None = None,
+        node_order: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.heads = heads.eval()
         self.feature_layers: tuple[int, ...] = (int(num_target_layers),)
@@ -522,6 +550,9 @@ class MedusaProposer:
         if self.choices is not None:
             # A draft vocabulary of N tokens has no rank >= N (nor have the nodes below one).
             self.choices = [n for n in self.choices if max(n) < heads.draft_vocab_size]
+        self._order = (
+            None if node_order is None else {tuple(n): i for i, n in enumerate(node_order)}
+        )
         self._trees: dict[int, tuple[Choices, list[int], list[int]]] = {}
         self._hidden: torch.Tensor | None = None  # [H] at the last kept position
         self.name = name or f"medusa-{self.mode}"
@@ -586,7 +617,19 @@ class MedusaProposer:
         return Proposal(
             tokens=tokens.to(device),
             parents=torch.tensor(parents, dtype=torch.long, device=device),
+            priority=self._priority(depth),
         )
+
+    def _priority(self, depth: int) -> torch.Tensor | None:
+        """Each node's rank in ``node_order`` among the nodes up to ``depth`` (host tensor)."""
+        if self._order is None:
+            return None
+        nodes = self._tree(depth)[0]
+        ranked = sorted(range(len(nodes)), key=lambda i: self._order.get(nodes[i], len(nodes)))
+        rank = [0] * len(nodes)
+        for r, i in enumerate(ranked):
+            rank[i] = r
+        return torch.tensor(rank, dtype=torch.long)
 
     def _tree(self, depth: int) -> tuple[Choices, list[int], list[int]]:
         """Nodes up to ``depth``, their parent indices and the top-k needed per depth (cached)."""
@@ -639,7 +682,7 @@ def medusa_proposer(
         )
     _check_medusa2_target(path, target)
     heads.to(device=weight.device, dtype=weight.dtype)
-    choices = None
+    choices = order = None
     if tree:
         if medusa_choices is not None:
             choices = check_choices(medusa_choices, heads.num_heads)
@@ -647,7 +690,10 @@ def medusa_proposer(
             acc = load_accuracy(path)
             budget = total_tokens if total_tokens is not None else acc["tree"]["nodes"]
             choices = build_tree(acc["rank_accuracy"], budget)
-    return MedusaProposer(heads, int(target.config.num_hidden_layers), choices, name=name)
+            order = tree_order(choices, acc["rank_accuracy"])
+    return MedusaProposer(
+        heads, int(target.config.num_hidden_layers), choices, name=name, node_order=order
+    )
 
 
 def build_medusa(path: str | None, options: BuildOptions, tree: bool = False) -> MedusaProposer:

@@ -184,6 +184,20 @@ def load_cost_profile(
     return {int(w): ms / 1000.0 for w, ms in chain.items()}
 
 
+def verify_cost(costs: dict[int, float], width: int) -> float:
+    """Seconds of one target forward over ``width`` tokens: measured, else interpolated
+    linearly between the nearest measured widths (held flat past the widest one)."""
+    if width in costs:
+        return costs[width]
+    known = sorted(costs)
+    lo = max((w for w in known if w < width), default=known[0])
+    hi = min((w for w in known if w > width), default=known[-1])
+    if lo == hi:
+        return costs[lo]
+    f = (width - lo) / (hi - lo)
+    return (1 - f) * costs[lo] + f * costs[hi]
+
+
 def predicted_speedups(
     alpha: list[float],
     costs: dict[int, float],
@@ -215,17 +229,9 @@ def predicted_speedups(
     Returns:
         ``{k: predicted speedup}`` for k = 1..len(alpha).
     """
-    known = sorted(costs)
 
     def verify(width: int) -> float:
-        if width in costs:
-            return costs[width]
-        lo = max((w for w in known if w < width), default=known[0])
-        hi = min((w for w in known if w > width), default=known[-1])
-        if lo == hi:
-            return costs[lo]
-        f = (width - lo) / (hi - lo)
-        return (1 - f) * costs[lo] + f * costs[hi]
+        return verify_cost(costs, width)
 
     out, tau = {}, 1.0
     for k, a in enumerate(alpha, start=1):

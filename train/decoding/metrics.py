@@ -55,6 +55,11 @@ def summarize(
         "wall_time_s": wall,
         "draft_time_fraction": sum(r.draft_time for r in runs) / wall if wall else 0.0,
     }
+    by_size = tree_sizes_sum([r.accepted_by_tree_size for r in runs])
+    if by_size and drafted:
+        # τ per drafted step had every tree kept only its best m nodes (m = 1..len): from the
+        # path each step accepted (GenerationOutput.accepted_by_tree_size).
+        out["acceptance_length_by_tree_size"] = [1.0 + a / drafted for a in by_size]
     if baseline is not None:
         base_tokens = sum(len(r.tokens) for r in baseline)
         base_wall = sum(r.wall_time for r in baseline)
@@ -63,6 +68,19 @@ def summarize(
         out["baseline_wall_time_s"] = base_wall
         out["speedup"] = out["tokens_per_second"] / base_tps if base_tps else 0.0
     return out
+
+
+def tree_sizes_sum(per_run: Sequence[Sequence[int]]) -> list[int]:
+    """Sum runs' ``accepted_by_tree_size`` lists; a shorter list (smaller trees only) counts
+    its last entry at the larger sizes, as :func:`..speculative._count_pruned` does."""
+    n = max((len(s) for s in per_run), default=0)
+    total = [0] * n
+    for sums in per_run:
+        if not sums:  # a run with no tree step
+            continue
+        for m in range(n):
+            total[m] += sums[min(m, len(sums) - 1)]
+    return total
 
 
 def results_table(rows: Sequence[dict[str, Any]], title: str = "speculative decoding"):

@@ -34,6 +34,7 @@ COUNTERS = (
     "wall_time",
     "draft_time",
     "prefill_time",
+    "accepted_by_tree_size",
 )
 
 
@@ -44,7 +45,9 @@ def counters(run: GenerationOutput) -> dict:
 
 def from_counters(stored: dict) -> GenerationOutput:
     """A plain run rebuilt from its stored counters (token ids are not stored: only counts)."""
-    return GenerationOutput(tokens=[0] * stored["new_tokens"], **{c: stored[c] for c in COUNTERS})
+    # Results written before a counter existed lack it: the dataclass default stands.
+    kept = {c: stored[c] for c in COUNTERS if c in stored}
+    return GenerationOutput(tokens=[0] * stored["new_tokens"], **kept)
 
 
 def prompt_entry(record, ids, spec: GenerationOutput, base: GenerationOutput | None, tokenizer):

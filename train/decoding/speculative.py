@@ -329,6 +329,27 @@ def _accept_tree_sampled(
     return torch.cat([first, sample(residual, generator)[None]])
 
 
+def _count_pruned(sums: list[int], path_ranks: list[int], n: int) -> None:
+    """Add one tree step to ``sums[m - 1]``: what the tree's best m nodes would have accepted.
+
+    A tree pruned to its best m nodes (``Proposal.priority`` below m) keeps a prefix of the
+    accepted path: ranks grow along a path (a parent outranks its children) and a pruned tree
+    keeps a prefix of each node's children in the order the sibling tests take them, so every
+    test up to the first pruned path node decides as it did. Sizes past this step's n nodes
+    accepted the whole path. ``sums`` grows to the largest tree seen; the steps before had at
+    most its old length in nodes, so a new size's sum starts at the last one's.
+
+    Args:
+        sums: the run's ``GenerationOutput.accepted_by_tree_size``, updated in place.
+        path_ranks: the priority of each accepted node, root to leaf.
+        n: the step's tree size.
+    """
+    if len(sums) < n:
+        sums.extend([sums[-1] if sums else 0] * (n - len(sums)))
+    for m in range(1, len(sums) + 1):
+        sums[m - 1] += sum(1 for r in path_ranks if r < m)
+
+
 def _tree_path(first: list[int]) -> list[int]:
     """Follow the accepted children from the root (host list from :func:`_accept_tree_sampled`).
 
@@ -495,6 +516,9 @@ def generate(
             else:
                 path, nxt = _tree_path(read[: n + 1]), read[n + 1]
             accepted = len(path)
+            if proposal.priority is not None:
+                ranks = proposal.priority.tolist()  # a host tensor (Proposal.priority)
+                _count_pruned(result.accepted_by_tree_size, [ranks[row - 1] for row in path], n)
             emitted = [toks[row - 1] for row in path] + [nxt]
             kept_rows = torch.tensor([0, *path], device=device)
             _keep_cache(cache, past + 1, past + kept_rows[1:])

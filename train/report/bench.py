@@ -21,7 +21,7 @@ from ..errors import UsageError
 from ..runinfo import busy_warning
 from ..staged import write_json_atomic
 from .plots import write_plots
-from .recommend import load_costs, recommend
+from .recommend import load_costs, recommend, recommend_tree
 from .text import (
     fmt_number,
     is_finite_number,
@@ -182,6 +182,8 @@ def build_report(
                                 "identical_to_target",
                             )
                         },
+                        # Smaller trees of the same depth and top-k, from the same steps.
+                        "size": recommend_tree(summary, costs),
                     }
                 )
         entries.append(
@@ -218,6 +220,61 @@ def build_report(
         "trees": trees,
         "training": [_with_measured(tr, entries) for tr in training],
     }
+
+
+def tree_size_markdown(trees: list[dict[str, Any]]) -> list[str]:
+    """The "Tree size" section: each ranked tree's predicted speedup at every smaller size."""
+    lines = [
+        "## Tree size (predicted from the measured tree)",
+        "",
+        "Every step of a measured EAGLE-2 tree also counted what its best m nodes alone would "
+        "have accepted (the reranking keeps a prefix of its order), so τ at each smaller size "
+        "of the same depth and top-k is measured on the same steps; the speedup scales the "
+        "measured one by τ and by the verify cost per width of the cost profile "
+        "(train/report/recommend.py). To try larger trees, measure a large one.",
+        "",
+    ]
+    rows = []
+    for r in trees:
+        size = r["size"]
+        shown = sorted({1, 2, 4, 6, 8, 12, 16, 24, size["best_nodes"], size["measured_nodes"]})
+        cells = " ".join(
+            f"{m}: {size['tau_by_size'][m - 1]:.2f} / {size['predicted'][m - 1]:.2f}x"
+            for m in shown
+            if m <= len(size["predicted"])
+        )
+        vs_fastest = size.get("best_predicted_speedup_vs_fastest_plain")
+        rows.append(
+            [
+                r["method"],
+                f"{r['temperature']:g}",
+                str(size["measured_nodes"]),
+                fmt_number(size["measured_speedup"], ".2f", "x"),
+                str(size["best_nodes"]),
+                fmt_number(size["best_predicted_speedup"], ".2f", "x"),
+                fmt_number(vs_fastest, ".2f", "x"),
+                cells,
+            ]
+        )
+    cols = [
+        "method",
+        "T",
+        "measured nodes",
+        "measured",
+        "best nodes",
+        "predicted at best",
+        "vs fastest plain",
+        "nodes: τ / predicted speedup",
+    ]
+    lines += [markdown_table(cols, rows), ""]
+    flat = sorted({w for r in trees for w in r["size"]["extrapolated_widths"]})
+    if flat:
+        lines += [
+            f"Verify widths {flat[0]}-{flat[-1]} are past the cost profile's widest "
+            "measurement; their cost is held at it (optimistic for the largest trees).",
+            "",
+        ]
+    return lines
 
 
 def _with_measured(training: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -427,6 +484,9 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
         ]
         cols = ["method", "T", "tree", "drafts", "τ", "speedup", "vs fastest plain"]
         lines += [markdown_table(cols, rows), ""]
+        sized = [r for r in report["trees"] if r.get("size")]
+        if sized:
+            lines += tree_size_markdown(sized)
     if report["training"]:
         lines += ["## Training", ""]
         rows = []

@@ -6,6 +6,11 @@ measured drafting seconds per drafted token and the verify cost per width of
 ``scripts/bench_forward.py``'s profile (:func:`default_cost_profile`, or ``--cost-profile``).
 α beyond the measured k is extrapolated (:func:`extend_alpha`: the last conditional acceptance
 rate held constant) and flagged as such.
+
+For each tree drafter that ranks its nodes (EAGLE-2's reranking), :func:`recommend_tree` predicts
+the speedup of every smaller tree of the same depth and branching from what each step's best m
+nodes would have accepted (``acceptance_length_by_tree_size``, counted by the loop), anchored
+at the measured tree's speedup.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..decoding.draft_length import load_cost_profile, predicted_speedups
+from ..decoding.draft_length import load_cost_profile, predicted_speedups, verify_cost
 from ..errors import UsageError
 
 __all__ = [
@@ -25,6 +30,7 @@ __all__ = [
     "extend_alpha",
     "load_costs",
     "recommend",
+    "recommend_tree",
 ]
 
 #: Where the verify-cost profile is looked for when ``--cost-profile`` is not given: the working
@@ -178,3 +184,65 @@ def recommend(
     if notes:
         rec["note"] = "; ".join(notes)
     return rec
+
+
+def recommend_tree(result: dict[str, Any], costs: dict[int, float]) -> dict[str, Any] | None:
+    """The tree size predicted fastest for one measured tree drafter, at its depth and top-k.
+
+    Each step of the measured tree of n nodes also counted the path its best m nodes would have
+    accepted (exact when greedy; when sampling, SpecInfer's sibling tests decide on a pruned
+    tree as they did up to its first pruned path node), so τ_m per drafted step is measured, not
+    modelled, for every m <= n. The drafting cost does not depend on m (the same levels are
+    expanded; only the reranking keeps fewer), the verify cost does:
+
+        speedup(m) = measured speedup · (τ_m / τ_n) · (V(n + 1) + D) / (V(m + 1) + D)
+
+    with V the verify cost per width and D the drafter's seconds per step. Anchored at the
+    measurement, so the loop's own overhead carries over in proportion. A tree larger than the
+    measured one cannot be predicted: measure a large tree, prune by prediction.
+
+    Args:
+        result: one tree method's evaluate result (``acceptance_length_by_tree_size``,
+            ``speedup``, ``draft_time_fraction``, ``wall_time_s``, ``draft_steps``).
+        costs: seconds per target forward by width (:func:`load_costs`).
+
+    Returns:
+        None when the run has no per-size counts (a static tree, or results from before they
+        were counted); else ``predicted`` and ``tau_by_size`` (``[n]``, entry m - 1 for the
+        best m nodes),
+        ``best_nodes``, ``best_predicted_speedup``, the measured tree's size and speedup, and
+        ``extrapolated_widths`` (verify widths past the profile's widest measurement, whose
+        cost is held flat).
+    """
+    taus = result.get("acceptance_length_by_tree_size") or []
+    measured = result.get("speedup")
+    if not taus or not measured:
+        return None
+    n = len(taus)
+    d = draft_seconds_per_step(result)
+    step_n = verify_cost(costs, n + 1) + d
+    # Entry m - 1 is the tree of the best m nodes (lists: JSON keeps them as they are).
+    predicted = [
+        measured * (taus[m - 1] / taus[-1]) * step_n / (verify_cost(costs, m + 1) + d)
+        for m in range(1, n + 1)
+    ]
+    best = max(range(1, n + 1), key=lambda m: (predicted[m - 1], -m))  # ties: the smaller
+    widest = max(costs)
+    vs_fastest = result.get("speedup_vs_fastest_plain")
+    return {
+        "method": result["method"],
+        "temperature": result.get("temperature", 0.0),
+        "measured_nodes": n,
+        "measured_speedup": measured,
+        "measured_speedup_vs_fastest_plain": vs_fastest,
+        "best_nodes": best,
+        "best_predicted_speedup": predicted[best - 1],
+        # The same anchor for the fastest plain decoding: both scale by the same ratio.
+        "best_predicted_speedup_vs_fastest_plain": (
+            vs_fastest * predicted[best - 1] / measured if vs_fastest else None
+        ),
+        "predicted": predicted,
+        "tau_by_size": list(taus),
+        "draft_seconds_per_step": d,
+        "extrapolated_widths": [m + 1 for m in range(1, n + 1) if m + 1 > widest],
+    }
