@@ -69,12 +69,12 @@ __all__ = [
     "ResidualBlock",
     "build_tree",
     "check_choices",
-    "tree_order",
     "expected_acceptance_length",
     "load_accuracy",
     "load_medusa",
     "medusa_proposer",
     "medusa_target_dir",
+    "tree_order",
 ]
 
 FORMAT = "draftsmith-medusa"

@@ -384,7 +384,14 @@ def run(cfg: BenchConfig, call: Callable[[list[str]], int]) -> int:
     report = build_report(runs, stem, profile, cfg.max_k, training)
     report["bench"].update(shard=cfg.shard, merged_from=merged_from)
     report["config"] = config_to_dict(cfg)
-    report["machine_load"] = load_record(load_before, machine_load(sibling_load=siblings))
+    if cfg.merge:
+        # A merge times nothing: the load that matters is each shard's own (measured with its
+        # siblings allowed for). Measured now it would be the just-finished shards' load.
+        loads = [json.loads(Path(p).read_text()).get("machine_load") for p in cfg.merge]
+        loads = [ld for ld in loads if ld]
+        report["machine_load"] = {"shards": loads, "busy": any(ld.get("busy") for ld in loads)}
+    else:
+        report["machine_load"] = load_record(load_before, machine_load(sibling_load=siblings))
     report.update(info)
     if device is not None:
         report["device"] = device_facts(device)

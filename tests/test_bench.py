@@ -226,6 +226,10 @@ def test_shards_merge_into_the_rows_of_one_run(setup):
     assert cli(["bench", "--merge", *map(str, parts), "--out", str(merged), "--max-k", "5"]) == 0
     report = json.loads(merged.with_suffix(".json").read_text())
     assert report["bench"]["merged_from"] == [str(p) for p in parts]
+    # The merge times nothing: its load record is the shards' own, not a snapshot taken when
+    # they have just finished (which would count them as outside load).
+    shard_loads = [json.loads(p.read_text())["machine_load"] for p in parts]
+    assert report["machine_load"]["shards"] == shard_loads
 
     def counts(rows):  # every column but the timings: method ... α per position, identical
         first = RESULT_COLUMNS.index("α per position") + 1

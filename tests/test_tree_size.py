@@ -184,3 +184,18 @@ def test_medusa_tree_order_is_build_trees_choice_order():
     for m in range(1, 21):  # the best m of the 20-node tree are the best tree of m nodes
         assert set(order[:m]) == set(build_tree(acc, m))
         assert all(len(n) == 1 or n[:-1] in order[:m] for n in order[:m])
+
+
+def test_tree_costs_are_keyed_by_verify_width(tmp_path):
+    import json
+
+    from draftsmith.train.decoding.draft_length import load_cost_profile
+
+    path = tmp_path / "profile.json"
+    entry = {"chain": {"1": 10.0, "4": 12.0}, "tree": {"8": 15.0, "16": 20.0}}
+    path.write_text(json.dumps({"profile": {"bfloat16": {"1": entry}}}))
+    assert load_cost_profile(path, "bfloat16", 1) == {1: 0.010, 4: 0.012}
+    assert load_cost_profile(path, "bfloat16", 1, kind="tree") == {9: 0.015, 17: 0.020}
+    del entry["tree"]
+    path.write_text(json.dumps({"profile": {"bfloat16": {"1": entry}}}))
+    assert load_cost_profile(path, "bfloat16", 1, kind="tree") == {}

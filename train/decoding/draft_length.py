@@ -147,9 +147,9 @@ class AdaptiveDraftLength:
 
 
 def load_cost_profile(
-    path: str | Path, dtype: str, threads: int, device_type: str = "cpu"
+    path: str | Path, dtype: str, threads: int, device_type: str = "cpu", kind: str = "chain"
 ) -> dict[int, float]:
-    """Seconds per chain-verify forward by width, from ``scripts/bench_forward.py``'s JSON.
+    """Seconds per verify forward by width, from ``scripts/bench_forward.py``'s JSON.
 
     Args:
         path: the benchmark's JSON file.
@@ -158,6 +158,9 @@ def load_cost_profile(
             a GPU profile has one entry).
         device_type: where the evaluation runs (``cpu``, ``cuda``): a profile measured on
             another kind of device says nothing about this one and is refused.
+        kind: ``chain`` (a causal forward over w tokens) or ``tree``: the profile's tree
+            verifies (the loop's 4-D ancestor mask) of n nodes, keyed by their width n + 1;
+            empty when the profile measured none.
 
     Returns:
         ``{width: seconds}``.
@@ -180,6 +183,9 @@ def load_cost_profile(
             f"{path}: no cost profile for dtype {dtype} (has {list(data.get('profile', {}))})"
         )
     nearest = min(per_threads, key=lambda t: abs(int(t) - threads))
+    if kind == "tree":
+        tree = per_threads[nearest].get("tree") or {}
+        return {int(n) + 1: ms / 1000.0 for n, ms in tree.items()}
     chain = per_threads[nearest]["chain"]
     return {int(w): ms / 1000.0 for w, ms in chain.items()}
 

@@ -148,7 +148,10 @@ def build_report(
         threads = machine.get("torch_threads") or 1
         dtype = methods[0].get("dtype", config.get("dtype", "float32"))
         # The device the runs were timed on (results before the device setting: the CPU).
-        costs = load_costs(profile, dtype, threads, machine.get("device_type") or "cpu")
+        device_type = machine.get("device_type") or "cpu"
+        costs = load_costs(profile, dtype, threads, device_type)
+        # Trees: the profile's tree verifies (ancestor mask) where measured, chains below them.
+        tree_costs = {**costs, **load_costs(profile, dtype, threads, device_type, kind="tree")}
         costs_info.update(dtype=dtype, threads=threads, seconds_per_width=costs)
         summaries = []
         for spec, m in zip(specs, methods, strict=True):
@@ -183,7 +186,7 @@ def build_report(
                             )
                         },
                         # Smaller trees of the same depth and top-k, from the same steps.
-                        "size": recommend_tree(summary, costs),
+                        "size": recommend_tree(summary, tree_costs),
                     }
                 )
         entries.append(

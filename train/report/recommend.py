@@ -58,11 +58,13 @@ def default_cost_profile() -> Path:
     )
 
 
-def load_costs(path: Path, dtype: str, threads: int, device_type: str = "cpu") -> dict[int, float]:
+def load_costs(
+    path: Path, dtype: str, threads: int, device_type: str = "cpu", kind: str = "chain"
+) -> dict[int, float]:
     """``load_cost_profile`` with its failures turned into one-line usage errors (a profile of
     another device type included: a CPU profile says nothing about a GPU)."""
     try:
-        return load_cost_profile(path, dtype, threads, device_type)
+        return load_cost_profile(path, dtype, threads, device_type, kind)
     except OSError as exc:
         raise UsageError(
             f"cost profile {path}: cannot read it ({exc.strerror or exc}); "
