@@ -211,6 +211,10 @@ def test_recommendation_is_predicted_speedups_of_the_measured_alpha(setup):
         assert rec["best_k"] == best
         assert rec["best_predicted_speedup"] == pytest.approx(expected[best])
         assert rec["measured_speedup"] == pytest.approx(m["speedup"])
+        # Anchored: the best k's prediction times the measured / predicted gap at the run's k.
+        assert rec["best_anchored_speedup"] == pytest.approx(
+            expected[best] * m["speedup"] / expected[3]
+        )
         extrapolated += rec["alpha_used"][3] > 0
     assert extrapolated  # some drafter's tail past k = 3 was actually extrapolated
 

@@ -81,11 +81,14 @@ def _run(model, drafter, prompt, sampling, seed):
 
 def test_count_pruned_grows_with_the_largest_tree():
     sums: list[int] = []
-    _count_pruned(sums, [0, 2, 5], 6)  # path ranks 0, 2, 5 in a 6-node tree
+    # A 6-node tree whose path is nodes 0, 3, 4 (rows 1, 4, 5), ranked 0, 2, 5.
+    _count_pruned(sums, torch.tensor([0, 1, 3, 2, 5, 4]), [1, 4, 5], 6)
     assert sums == [1, 1, 2, 2, 2, 3]
-    _count_pruned(sums, [1], 8)  # a larger tree: sizes 7-8 start from size 6's sum
+    # A larger tree, path node 1 ranked 1: sizes 7-8 start from size 6's sum.
+    _count_pruned(sums, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]), [2], 8)
     assert sums == [1, 2, 3, 3, 3, 4, 4, 4]
-    _count_pruned(sums, [0, 1], 2)  # a smaller tree (the budget's end): all sizes accept 2
+    # A smaller tree (the budget's end): every size accepts its whole 2-node path.
+    _count_pruned(sums, torch.tensor([0, 1]), [1, 2], 2)
     assert sums == [2, 4, 5, 5, 5, 6, 6, 6]
     assert tree_sizes_sum([[1, 2], [3], []]) == [4, 5]
 

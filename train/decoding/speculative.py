@@ -329,7 +329,7 @@ def _accept_tree_sampled(
     return torch.cat([first, sample(residual, generator)[None]])
 
 
-def _count_pruned(sums: list[int], path_ranks: list[int], n: int) -> None:
+def _count_pruned(sums: list[int], priority: torch.Tensor, path: list[int], n: int) -> None:
     """Add one tree step to ``sums[m - 1]``: what the tree's best m nodes would have accepted.
 
     A tree pruned to its best m nodes (``Proposal.priority`` below m) keeps a prefix of the
@@ -341,9 +341,13 @@ def _count_pruned(sums: list[int], path_ranks: list[int], n: int) -> None:
 
     Args:
         sums: the run's ``GenerationOutput.accepted_by_tree_size``, updated in place.
-        path_ranks: the priority of each accepted node, root to leaf.
+        priority: ``[n]`` the proposal's ``Proposal.priority``, a host tensor (reading it does
+            not wait for the device).
+        path: the accepted path's rows in the verify input (node j is row j + 1), root to leaf.
         n: the step's tree size.
     """
+    ranks = priority.tolist()
+    path_ranks = [ranks[row - 1] for row in path]
     if len(sums) < n:
         sums.extend([sums[-1] if sums else 0] * (n - len(sums)))
     for m in range(1, len(sums) + 1):
@@ -517,8 +521,7 @@ def generate(
                 path, nxt = _tree_path(read[: n + 1]), read[n + 1]
             accepted = len(path)
             if proposal.priority is not None:
-                ranks = proposal.priority.tolist()  # a host tensor (Proposal.priority)
-                _count_pruned(result.accepted_by_tree_size, [ranks[row - 1] for row in path], n)
+                _count_pruned(result.accepted_by_tree_size, proposal.priority, path, n)
             emitted = [toks[row - 1] for row in path] + [nxt]
             kept_rows = torch.tensor([0, *path], device=device)
             _keep_cache(cache, past + 1, past + kept_rows[1:])

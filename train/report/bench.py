@@ -382,6 +382,8 @@ def recommendation_text(rec: dict[str, Any]) -> str:
         f"(predicted {rec['predicted_at_run_k']:.2f}x); best k={rec['best_k']}: predicted "
         f"{rec['best_predicted_speedup']:.2f}x"
     )
+    if rec.get("best_anchored_speedup") and rec["best_k"] != rec["run_k"]:
+        line += f", {rec['best_anchored_speedup']:.2f}x anchored at the measurement"
     if rec.get("note"):
         line += f" ({rec['note']})"
     if rec["best_is_extrapolated"]:
@@ -444,7 +446,8 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             f"{cp.get('threads')} thread(s)): speedup(k) = τ(k)·V(1) / (V(k+1) + k·D), mixed "
             "with plain 1-token steps by the share s of steps that drafted (n-gram lookup "
             "drafts only on a match). Prefill and loop overhead are left out, so predictions "
-            "run a little high; α past the measured k is extrapolated.",
+            "run high; 'anchored' scales the best k's prediction by measured / predicted at the "
+            "run's k. α past the measured k is extrapolated.",
             "",
         ]
         rows = [
@@ -456,6 +459,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
                 f"{r['predicted_at_run_k']:.2f}x",
                 str(r["best_k"]) + (" (extrapolated)" if r["best_is_extrapolated"] else ""),
                 f"{r['best_predicted_speedup']:.2f}x",
+                fmt_number(r.get("best_anchored_speedup"), ".2f", "x"),
                 f"{1000 * r['draft_seconds_per_token']:.2f}",
             ]
             for r in report["recommendations"]
@@ -468,6 +472,7 @@ def markdown(report: dict[str, Any], plots: list[str]) -> str:
             "predicted at run k",
             "best k",
             "predicted at best k",
+            "anchored at best k",
             "draft ms/token",
         ]
         lines += [markdown_table(cols, rows), ""]
