@@ -121,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter", help="EAGLE-1/3 drafter directory (a training run's best/)")
     ap.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--prompts", default="../shared/data/alpaca_2k.jsonl")
-    ap.add_argument("--split", default="heldout")
+    ap.add_argument(
+        "--split", default="heldout", help="split of the prompt file; all = every record"
+    )
     ap.add_argument("--limit", type=int, default=24)
     ap.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     info = run_info(device)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    records = load_prompts(args.prompts, split=args.split, limit=args.limit)
+    split = None if args.split == "all" else args.split
+    records = load_prompts(args.prompts, split=split, limit=args.limit)
     if args.shard:
         index, count = map(int, args.shard.split("/"))
         records = records[index::count]
@@ -181,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         ks[name] = shape["k"]
     sampling = SamplingParams(args.temperature, 0, args.top_p)
-    eos = {tokenizer.eos_token_id} - {None}
+    # The stop tokens evaluate uses: the tokenizer's and the generation config's.
+    gen_eos = target.generation_config.eos_token_id
+    gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
+    eos = {tokenizer.eos_token_id, *gen_eos} - {None}
     prompts = [render_prompt(tokenizer, r) for r in records]
     counters = {
         n: {**{k: 0 for k in SUMMED}, "accepted_per_position": [0] * ks[n]} for n in proposers
