@@ -62,6 +62,7 @@ from ..train.core.data import (
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation
 from ..train.data.batching import TokenDataset, collate_hidden_states
+from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 from ..train.objectives.distill import (
     LOSSES,
@@ -91,6 +92,24 @@ class DistillConfig(TrainConfig):
     max_length: int = cfg_field(1024, help="truncate conversations to this many tokens", ge=2)
     val_samples: int = cfg_field(
         64, help="training records held back for validation (0 = none)", ge=0
+    )
+    hidden_states: str = cfg_field(
+        "online",
+        help="online: the target computes p inside the step; offline: p from the target's final "
+        "hidden states read from hidden_states_cache, through its lm_head (no target forward: "
+        "about half of a step's compute on our CPU)",
+        choices=["online", "offline"],
+    )
+    hidden_states_cache: Path | None = cfg_field(
+        None,
+        help="offline: cache dir written by `draftsmith data cache` holding the target's final "
+        "layer (its tokens are the training records; data is not read)",
+    )
+    target_dtype: str = cfg_field(
+        "fp32",
+        help="target weights dtype (bf16: ~2x faster wide forwards on AVX512-BF16/AMX CPUs and "
+        "GPUs; the draft keeps fp32 master weights); " + DTYPE_AUTO_HELP,
+        choices=["auto", "fp32", "bf16"],
     )
     # --- draft ---
     draft_init: str = cfg_field(
@@ -150,8 +169,14 @@ class DistillConfig(TrainConfig):
 
     def validate(self) -> list[tuple[str, str]]:
         problems = super().validate()
-        if self.data is None:
-            problems.append(("data", "required: the conversations to train on"))
+        if self.hidden_states == "offline":
+            if self.hidden_states_cache is None:
+                problems.append(("hidden_states_cache", "offline hidden states need a cache dir"))
+        else:
+            if self.data is None:
+                problems.append(("data", "required: the conversations to train on"))
+            if self.hidden_states_cache is not None:
+                problems.append(("hidden_states_cache", "only read with hidden_states: offline"))
         if self.draft_init == "pruned":
             layers = self.draft_layers or []
             if not layers:
@@ -165,7 +190,12 @@ class DistillConfig(TrainConfig):
         return problems
 
     def input_paths(self) -> dict[str, Path | None]:
-        """``data``, and ``draft_model`` with ``draft_init: path``."""
+        """``data`` (online) or ``hidden_states_cache`` (offline), and ``draft_model``."""
+        if self.hidden_states == "offline":
+            return {
+                "hidden_states_cache": self.hidden_states_cache,
+                "draft_model": self.draft_model,
+            }
         return {"data": self.data, "draft_model": self.draft_model}
 
 
@@ -194,14 +224,36 @@ def masked_logits(model, batch: dict[str, Any], keep: torch.Tensor) -> torch.Ten
 def batch_logits(draft, target, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """Target and draft logits at the supervised positions of a batch.
 
+    A batch that carries ``hidden_states`` (read from an offline cache: the target's final,
+    normed layer ``{L: [B, T, H]}``) gets p from the target's lm_head on them, without running the
+    target; any other batch (online data, on-policy samples) runs the target.
+
     Returns:
         ``(p_logits [N, V], q_logits [N, V], labels [N])``; p without gradient.
     """
     keep, labels = prediction_mask(batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
     with torch.no_grad():
-        p = masked_logits(target, batch, keep)
+        hidden = batch.get("hidden_states")
+        if hidden:
+            (final,) = hidden.values()  # the cache's one layer: the last, after the final norm
+            lm_head = target.get_output_embeddings()
+            p = lm_head(final[keep].to(lm_head.weight.dtype))
+        else:
+            p = masked_logits(target, batch, keep)
     q = masked_logits(draft, batch, keep)
     return p, q, labels
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A collated batch's tensors (and its ``hidden_states`` dict's) on ``device``."""
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if torch.is_tensor(v):
+            v = v.to(device)
+        elif isinstance(v, dict):
+            v = {kk: vv.to(device) for kk, vv in v.items()}
+        out[k] = v
+    return out
 
 
 def step_loss(cfg: DistillConfig, p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor):
@@ -304,8 +356,7 @@ def validate(
     sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
     for indices, counted in rank_batches(len(samples), rank, world, cfg.batch_size, even=even):
         batch = collate_hidden_states([samples[i] for i in indices], pad_token_id=0)
-        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        p, q, labels = batch_logits(draft, target, batch)
+        p, q, labels = batch_logits(draft, target, to_device(batch, accelerator.device))
         if not counted:
             continue
         n = labels.numel()  # from the shape: no host sync; the sums are read once, below
@@ -339,9 +390,11 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     from transformers import get_cosine_schedule_with_warmup
 
     from ..heads.draft_lm import DRAFT_VOCAB_FILE, draft_vocab_text
+    from ..train.data.chat import template_fingerprint
     from ..train.data.vocab import coverage, draft_vocab, token_counts
     from ..train.decoding.metrics import simulated_tau
     from ..train.export.hf import save_draft
+    from ..train.features.source import feature_source, target_fingerprint
     from ..train.progress import progress
     from ..train.runinfo import run_info
     from ..train.target_model.load import describe_target, load_target
@@ -357,7 +410,10 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         info = run_info(accelerator.device)  # the device this run's processes train on
 
         # --- target, draft --------------------------------------------------------------------
-        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir)
+        target_dtype = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[target_dtype]
+        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
+        target.requires_grad_(False).eval()
         fresh = {
             "num_layers": cfg.fresh_layers,
             "hidden_size": cfg.fresh_hidden_size,
@@ -378,6 +434,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             )
         except (ValueError, OSError) as exc:
             raise UsageError(f"draft: {exc}") from exc
+        draft = draft.float().requires_grad_(True)  # fp32 master weights, whatever the target's
         ratio = compute_ratio(draft, target)
         # After the draft copied what it needs from the whole target: sharded under FSDP.
         target = train_run.place_target(target)
@@ -387,21 +444,46 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         )
 
         # --- data -----------------------------------------------------------------------------
-        dataset, summary = load_samples(
-            cfg.data, tokenizer, max_length=cfg.max_length, split=cfg.split
-        )
-        say(str(summary or f"{len(dataset)} tokenized samples from {cfg.data}"))
-        train_idx, val_idx = split_indices(len(dataset), cfg.val_samples, cfg.seed)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        if cfg.hidden_states == "online":
+            dataset, summary = load_samples(
+                cfg.data, tokenizer, max_length=cfg.max_length, split=cfg.split
+            )
+            say(str(summary or f"{len(dataset)} tokenized samples from {cfg.data}"))
+            records, count_source = TokenDataset(dataset), dataset
+        else:
+            # The cache must come from this target and template (the error names each
+            # difference); its final layer stands in for the target's forward.
+            num_layers = int(target.config.num_hidden_layers)
+            src = feature_source(
+                "offline",
+                layers=[num_layers],
+                cache=cfg.hidden_states_cache,
+                max_length=cfg.max_length,
+                expect={
+                    "num_layers": num_layers,
+                    "hidden_size": int(target.config.hidden_size),
+                    "vocab_size": int(target.get_output_embeddings().weight.shape[0]),
+                    "template_fingerprint": template_fingerprint(tokenizer),
+                    "target_hash": target_fingerprint(target),
+                },
+                pad_token_id=pad_id,
+            )
+            records, count_source, summary = src.dataset, src.dataset.token_view(), None
+            say(
+                f"{len(records)} cached records (layer {num_layers}) from {cfg.hidden_states_cache}"
+            )
+        train_idx, val_idx = split_indices(len(records), cfg.val_samples, cfg.seed)
         check_enough_data(
-            len(dataset),
+            len(records),
             len(train_idx),
             summary=summary,
-            source=str(cfg.data),
+            source=str(cfg.data or cfg.hidden_states_cache),
             min_train_samples=cfg.min_train_samples,
             allow=cfg.allow_little_data,
         )
-        train_set = TokenDataset(dataset.select(train_idx))
-        val_samples = [TokenDataset(dataset.select(val_idx))[i] for i in range(len(val_idx))]
+        train_set = torch.utils.data.Subset(records, train_idx)
+        val_samples = [records[i] for i in val_idx]
         # Validation like evaluation: val_data's records, when given, choose best/.
         held_samples: list = []
         if cfg.val_data is not None:
@@ -410,7 +492,6 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
             )
             say(f"validation data: {held_summary or f'{len(held)} tokenized samples'}")
             held_samples = [TokenDataset(held)[i] for i in range(len(held))]
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         stop_ids = eos_ids(tokenizer, target)
         t2d, vocab_files, vocab_note = None, {}, {}
         if cfg.draft_vocab_size is not None:
@@ -422,7 +503,12 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                     f"draft_vocab_size: {cfg.draft_vocab_size} is larger than the target's "
                     f"vocabulary ({vocab}); choose <= {vocab}"
                 )
-            counts = token_counts(dataset.select(train_idx), vocab, max_length=cfg.max_length)
+            train_tokens = (  # a datasets.Dataset is counted through Arrow: select, not Subset
+                count_source.select(train_idx)
+                if hasattr(count_source, "select")
+                else torch.utils.data.Subset(count_source, train_idx)
+            )
+            counts = token_counts(train_tokens, vocab, max_length=cfg.max_length)
             _, t2d = draft_vocab(counts, cfg.draft_vocab_size, always_include=stop_ids)
             vocab_note = {"draft_vocab_coverage": coverage(counts, t2d)}
             text = draft_vocab_text(t2d, coverage=vocab_note["draft_vocab_coverage"])

@@ -392,3 +392,70 @@ def test_time_budget_ends_training_with_a_saved_draft(tmp_path, tiny_target_dir)
     metrics = json.loads((tmp_path / "budget" / "training_metrics.json").read_text())
     assert metrics["steps"] == 1 and metrics["total_steps"] == 50
     assert (tmp_path / "budget" / "draft" / "model.safetensors").is_file()
+
+
+def test_offline_cache_trains_the_same_draft_as_online(
+    tmp_path, tiny_target_dir, capsys, monkeypatch
+):
+    """hidden_states: offline reads the target's final layer from a `data cache` directory and
+    gets p through its lm_head, without a target forward: the same draft (and draft vocabulary)
+    as the online run, in fp32; the cache of another target is refused, naming the field."""
+    from draftsmith.train.core.data import load_samples
+    from draftsmith.train.data.chat import template_fingerprint
+    from draftsmith.train.features.cache_write import build_cache
+    from draftsmith.train.target_model.load import load_target
+
+    common = ["--max-steps", "4", "--save-every", "0", "--eval-every", "2"]
+    common += ["--draft-vocab-size", "40", "--target-dtype", "fp32"]
+    assert main(base_args(tmp_path, tiny_target_dir, "online", *common)) == 0
+
+    target, tokenizer = load_target(tiny_target_dir)
+    tokens, _ = load_samples(tmp_path / "chat.jsonl", tokenizer, max_length=1024, split="train")
+    build_cache(
+        target,
+        tokens,
+        tmp_path / "cache",
+        [target.config.num_hidden_layers],
+        dtype="fp32",
+        template_fingerprint=template_fingerprint(tokenizer),
+        progress=False,
+    )
+    offline = base_args(tmp_path, tiny_target_dir, "offline", *common)
+    i = offline.index("--data")
+    offline[i : i + 2] = [
+        "--hidden-states",
+        "offline",
+        "--hidden-states-cache",
+        str(tmp_path / "cache"),
+    ]
+    from transformers.models.llama import modeling_llama
+
+    forward, depths = modeling_llama.LlamaModel.forward, []
+
+    def counted(self, *args, **kwargs):
+        depths.append(len(self.layers))
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", counted)
+    assert main(offline) == 0
+    assert depths and set(depths) == {1}  # only the 1-layer draft ran: no target forward
+    monkeypatch.undo()
+    on = json.loads((tmp_path / "online" / "training_metrics.json").read_text())
+    off = json.loads((tmp_path / "offline" / "training_metrics.json").read_text())
+    assert off["train_records"] == on["train_records"] and off["steps"] == 4
+    assert off["draft_vocab_coverage"] == pytest.approx(on["draft_vocab_coverage"])
+    for a, b in zip(on["validation"], off["validation"], strict=True):
+        assert b["val/loss"] == pytest.approx(a["val/loss"], rel=1e-4)
+    assert (tmp_path / "offline" / "draft" / "draft_vocab.json").read_text() == (
+        tmp_path / "online" / "draft" / "draft_vocab.json"
+    ).read_text()
+    a = load_file(tmp_path / "online" / "draft" / "model.safetensors")
+    b = load_file(tmp_path / "offline" / "draft" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=name)
+
+    other = tied_target_dir(tmp_path / "tied")  # same shapes, other weights
+    offline[offline.index("--target") + 1] = str(other)
+    offline[offline.index("--output-dir") + 1] = str(tmp_path / "other")
+    assert main(offline) == 2
+    assert "target_hash" in capsys.readouterr().err
