@@ -64,6 +64,7 @@ from ..train.core.run import TrainRun, held_out_validation
 from ..train.data.batching import TokenDataset, collate_hidden_states
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
+from ..train.features.source import batch_to_device
 from ..train.objectives.distill import (
     LOSSES,
     distill_loss,
@@ -244,18 +245,6 @@ def batch_logits(draft, target, batch: dict[str, Any]) -> tuple[torch.Tensor, ..
     return p, q, labels
 
 
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """A collated batch's tensors (and its ``hidden_states`` dict's) on ``device``."""
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
-        if torch.is_tensor(v):
-            v = v.to(device)
-        elif isinstance(v, dict):
-            v = {kk: vv.to(device) for kk, vv in v.items()}
-        out[k] = v
-    return out
-
-
 def step_loss(cfg: DistillConfig, p: torch.Tensor, q: torch.Tensor, labels: torch.Tensor):
     """The configured loss on ``[N, V]`` logits."""
     return distill_loss(
@@ -356,7 +345,7 @@ def validate(
     sums = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
     for indices, counted in rank_batches(len(samples), rank, world, cfg.batch_size, even=even):
         batch = collate_hidden_states([samples[i] for i in indices], pad_token_id=0)
-        p, q, labels = batch_logits(draft, target, to_device(batch, accelerator.device))
+        p, q, labels = batch_logits(draft, target, batch_to_device(batch, accelerator.device))
         if not counted:
             continue
         n = labels.numel()  # from the shape: no host sync; the sums are read once, below

@@ -359,7 +359,7 @@ class FeatureSource:
         Online: the target computes them now. Offline: they came from the cache and are cast to
         ``dtype`` if one was set.
         """
-        moved = _to_device(batch, device)
+        moved = batch_to_device(batch, device)
         if self._online is not None:
             return self._online(moved)
         if self.dtype is not None:
@@ -457,7 +457,9 @@ def val_data_source(
     return src, loader
 
 
-def _to_device(batch: dict[str, Any], device: str | torch.device | None) -> dict[str, Any]:
+def batch_to_device(batch: dict[str, Any], device: str | torch.device | None) -> dict[str, Any]:
+    """A collated batch's tensors, and those of its dicts (``hidden_states``), on ``device``
+    (None: a shallow copy, unmoved)."""
     if device is None:
         return dict(batch)
     out: dict[str, Any] = {}
