@@ -324,3 +324,36 @@ def test_no_schedule_server_when_speculation_never_wins(served_stage, monkeypatc
     md = schedule_markdown(result)
     assert any(line.startswith("- `ngram`: don't speculate") for line in md)
     assert not any("--speculative-config" in line for line in md)
+
+
+def test_no_tau_gap_where_the_schedule_stops_drafting(served_stage, monkeypatch):
+    """A schedule server's τ is compared with ours only where it drafts: at a k = 0 level its τ
+    is ~1 by design, and flagging that as an export mismatch would be wrong."""
+    from draftsmith.train.data.prompts import load_prompts
+    from draftsmith.train.report import served
+
+    # Our greedy run on the served prompts (the fixture serves the first 3 held-out ones): τ 1.8.
+    ids = [str(r.id) for r in load_prompts(None, split="heldout")[:3]]
+    ours = {"per_prompt": [{"id": i} for i in ids]}
+    monkeypatch.setattr(served, "_our_result", lambda runs, ecfg, label: ours)
+    monkeypatch.setattr(served, "summarize_entries", lambda *a: {"acceptance_length": 1.8})
+    real = served._measure_levels
+
+    def with_tau(plan, target, **kwargs):
+        levels = real(plan, target, **kwargs)
+        spec = plan.speculative_config
+        for level in levels:
+            if spec is not None:  # the schedule drafts at c = 1 and 4, not at 16
+                off = SCHEDULE_KEY in spec and level["concurrency"] == 16
+                level["acceptance_length"] = 1.0 if off else 1.8
+        return levels
+
+    monkeypatch.setattr(served, "_measure_levels", with_tau)
+    run, _ = served_stage
+    row = run()["rows"][1]
+    fixed = {lv["concurrency"]: lv for lv in row["levels"]}
+    sched = {lv["concurrency"]: lv for lv in row["schedule"]["levels"]}
+    assert fixed[16]["tau_gap"] == pytest.approx(0.0) and not fixed[16]["tau_gap_flag"]
+    assert sched[1]["tau_gap"] == pytest.approx(0.0)
+    assert "tau_gap" not in sched[16] and "tau_gap_flag" not in sched[16]
+    assert sched[16]["acceptance_length"] == 1.0  # still reported, just not judged

@@ -630,6 +630,17 @@ def serve(cfg: Any, report: dict[str, Any], runs: list, stem: Path) -> dict[str,
         if (row.get("schedule") or {}).get("levels"):
             # The schedule server drafts too: its speedup, identity and τ read as the fixed one's.
             compare_with_ours(row["schedule"]["levels"], plain, ours, k, dtype)
+            # Where the schedule chose k = 0 it barely drafts (only while fewer requests are in
+            # flight), so its τ (~1) is no check of the export against ours: no gap there.
+            off = {
+                entry["concurrency"]
+                for entry in row["schedule"].get("per_level", [])
+                if entry.get("k") == 0
+            }
+            for level in row["schedule"]["levels"]:
+                if level["concurrency"] in off:
+                    level.pop("tau_gap", None)
+                    level.pop("tau_gap_flag", None)
     for row in served["rows"]:
         for level in [*row["levels"], *(row.get("schedule") or {}).get("levels", [])]:
             level.pop("outputs", None)
