@@ -10,7 +10,7 @@ cd /work/main
 S=/work/runs/bench24_peagle_k3_l40
 B=bench/issue24_bf16
 date
-draftsmith bench --merge $S/s0.json $S/s1.json --out $B/load_schedule_l${LIMIT:-32} \
+draftsmith bench --merge $S/s0.json $S/s1.json --out $B/load_schedule_l${LIMIT:-32}${SUFFIX:-} \
   --cost-profile bench/issue25_bf16/forward_cost_1thread.json \
   --vllm-python ${VLLM_PYTHON:-/work/venvs/vllm/bin/python} --served-concurrency 1 4 16 \
   --served-limit ${LIMIT:-32} --served-schedule
