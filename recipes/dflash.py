@@ -69,6 +69,7 @@ from ..train.core.run import (
     validate_drafter,
     validation_line,
 )
+from ..train.core.schedule import warmup_cosine_schedule
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
 
@@ -193,7 +194,6 @@ def _check_init(cfg: DFlashTrainConfig, saved: Any, mask_token_id: int | None) -
 def train(cfg: DFlashTrainConfig) -> int:
     """Run the recipe; 0 when finished or stopped on purpose (a checkpoint to resume from)."""
     # Heavy imports after the config is known good: `--help` and typos answer in a second.
-    from transformers import get_cosine_schedule_with_warmup
 
     from ..heads.dflash import DFlashConfig, build_drafter, load_drafter, save_drafter
     from ..train.data.chat import template_fingerprint
@@ -350,9 +350,9 @@ def train(cfg: DFlashTrainConfig) -> int:
         total = total_steps(cfg.max_steps, cfg.epochs, len(loader), cfg.grad_accum)
         # Stepped here once per optimizer step, not prepared: accelerate's wrapper steps it
         # once per process, which would finish the schedule early on several processes.
-        scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total), total)
+        scheduler = warmup_cosine_schedule(optimizer, int(cfg.warmup_ratio * total), total)
         accelerator.register_for_checkpointing(scheduler)
-        run.resume()
+        total = run.resume(total, scheduler)  # a fitted schedule's total when resumed
         run.dump_config()
         run.init_trackers(f"dflash-{run.out.name}", "train")
         lm_head = target.get_output_embeddings()
@@ -436,6 +436,8 @@ def train(cfg: DFlashTrainConfig) -> int:
                     continue  # a non-finite step, skipped (on_nonfinite: skip)
                 step += 1
                 bar.update(1)
+                total = run.fit_schedule(step, total, scheduler)  # fit_schedule: to max_minutes
+                bar.total = total
                 if step % cfg.log_every == 0 or step == total:
                     means = (running / running_n).tolist()  # the window's read (waits for it)
                     logs = {f"train/{k}": v for k, v in zip(keys, means, strict=True)}

@@ -61,6 +61,7 @@ from ..train.core.data import (
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation
+from ..train.core.schedule import warmup_cosine_schedule
 from ..train.data.batching import TokenDataset, collate_hidden_states
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
@@ -376,7 +377,6 @@ def validate(
 
 def run(cfg: DistillConfig) -> dict[str, Any] | None:
     """Train a draft as ``cfg`` says; the metrics (None when stopped early with a checkpoint)."""
-    from transformers import get_cosine_schedule_with_warmup
 
     from ..heads.draft_lm import DRAFT_VOCAB_FILE, draft_vocab_text
     from ..train.data.chat import template_fingerprint
@@ -521,12 +521,10 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         draft, optimizer, loader = train_run.prepare(draft, optimizer, loader)
         total = total_steps(cfg.max_steps, cfg.epochs, len(loader), cfg.grad_accum)
         # Stepped once per optimizer step by us (not prepared): its length is in optimizer steps.
-        scheduler = get_cosine_schedule_with_warmup(
-            optimizer, round(cfg.warmup_ratio * total), total
-        )
+        scheduler = warmup_cosine_schedule(optimizer, round(cfg.warmup_ratio * total), total)
         accelerator.register_for_checkpointing(scheduler)
         unwrapped = accelerator.unwrap_model(draft)
-        train_run.resume()
+        total = train_run.resume(total, scheduler)  # a fitted schedule's total when resumed
         train_run.dump_config()
         train_run.init_trackers(f"distill-{train_run.out.name}", "distill")
 
@@ -627,6 +625,10 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                     continue  # a non-finite step, skipped (on_nonfinite: skip)
                 step += 1
                 bar.update(1)
+                total = train_run.fit_schedule(
+                    step, total, scheduler
+                )  # fit_schedule: to max_minutes
+                bar.total = total
                 if step % cfg.log_every == 0 or step == total:
                     loss_sum, acc_sum = sums.tolist()  # the window's read (waits for it)
                     now = time.monotonic()

@@ -66,6 +66,7 @@ from ..train.core.data import (
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation
+from ..train.core.schedule import warmup_cosine_schedule
 from ..train.core.stop import check_finite
 from ..train.decoding.metrics import simulated_tau
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
@@ -79,7 +80,6 @@ from ..train.objectives.medusa import (
     add_lora,
     as_teacher,
     rank_counts,
-    warmup_cosine,
 )
 
 HEADS_SUBDIR = "heads"
@@ -465,12 +465,12 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         # Per-group LR factors: the heads warm up from step 0; Medusa-2's adapters sit out the
         # heads-only warm-up (factor 0), then get their own warm-up and cosine decay. Stepped
         # here once per optimizer step, not prepared (accelerate steps it once per process).
-        lambdas = [warmup_cosine(warmup, total)]
-        if medusa2:
-            lambdas.append(warmup_cosine(warmup, total, start=cfg.heads_warmup_steps))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, lambdas)
+        starts = [0, cfg.heads_warmup_steps] if medusa2 else [0]
+        scheduler = warmup_cosine_schedule(
+            optimizer.optimizer, warmup, total, starts=starts, offset=1
+        )
         accelerator.register_for_checkpointing(scheduler)
-        run.resume()
+        total = run.resume(total, scheduler)  # a fitted schedule's total when resumed
         run.dump_config()
         run.init_trackers(f"{cfg.stage}-{out.name}", f"train-{cfg.stage}")
 
@@ -571,6 +571,8 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                     continue  # a non-finite step, skipped (on_nonfinite: skip)
                 step += 1
                 bar.update(1)
+                total = run.fit_schedule(step, total, scheduler)  # fit_schedule: to max_minutes
+                bar.total = total
                 if step % cfg.log_every == 0 or step == total:
                     logs = train_logs(accelerator, window, window_loss, medusa2)
                     logs["train/lr"] = scheduler.get_last_lr()[0]

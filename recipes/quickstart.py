@@ -937,6 +937,9 @@ class Quickstart(StageJob):
                 val_samples=val,
                 epochs=None if cfg.train_steps else schedule["epochs"],
                 max_steps=cfg.train_steps,
+                # The epochs are the plan's guess at this machine's speed; the run re-plans them
+                # from its measured step rate so the cosine ends with the time (fit_schedule).
+                fit_schedule=None if cfg.train_steps else True,
                 eval_every=max(1, steps // 4),
                 save_every=max(1, steps // 8),
                 seed=cfg.seed,

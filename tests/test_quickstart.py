@@ -418,7 +418,7 @@ def test_default_commands_use_the_shipped_fast_settings(tmp_path, monkeypatch):
         ("--draft-vocab-size", "8192"),
     ):
         assert value(train, flag) == want, flag
-    assert "--epochs" in train and "--max-minutes" in train
+    assert "--epochs" in train and "--max-minutes" in train and "--fit-schedule" in train
     assert value(train, "--val-data") == str(tmp_path / "data/val_answers.jsonl")
     validation = qs._validation().argv
     assert validation[:2] == ["data", "distill"] and value(validation, "--split") == "all"

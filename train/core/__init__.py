@@ -10,6 +10,8 @@ objective and loop, top to bottom; what is the same in all three lives here, onc
 * :mod:`.checkpoint` -- one checkpoint shape (``accelerate`` state + ``trainer_state.json``),
   written into a temp dir and renamed, found with fallback to the previous good one, rotated
   without ever deleting the last good or the best one.
+* :mod:`.schedule` -- the warm-up + cosine learning-rate schedule, and its fit to
+  ``max_minutes`` from the measured step rate (``fit_schedule``).
 * :mod:`.stop` -- SIGINT/SIGTERM handling and non-finite detection.
 * :mod:`.data` -- the train/validation split, the data position (epoch, batches consumed), EOS
   ids, and the "too little data" check.

@@ -80,8 +80,15 @@ class TrainConfig:
     max_minutes: float | None = cfg_field(
         None,
         help="time budget from the start of the run (loading included): the first optimizer "
-        "step past it ends training (checkpoint, final save); the schedule is unchanged",
+        "step past it ends training (checkpoint, final save); the schedule is unchanged "
+        "unless fit_schedule",
         gt=0,
+    )
+    fit_schedule: bool = cfg_field(
+        False,
+        help="with max_minutes: re-plan the learning-rate schedule's total steps from the "
+        "measured step rate (validations included) so that its cosine ends with the budget, "
+        "more steps or fewer than epochs planned; kept in checkpoints. Not with max_steps",
     )
     stop_after_steps: int | None = cfg_field(
         None,
@@ -142,4 +149,10 @@ class TrainConfig:
             problems.append(("device", device))
         if self.mixed_precision == "fp16":
             problems.append(("mixed_precision", FP16_REFUSED))
+        if self.fit_schedule and self.max_minutes is None:
+            problems.append(("fit_schedule", "needs max_minutes: the budget the schedule fits"))
+        if self.fit_schedule and self.max_steps is not None:
+            problems.append(
+                ("fit_schedule", "fits epochs to max_minutes; max_steps fixes the steps")
+            )
         return problems

@@ -108,6 +108,15 @@ def any_rank(flags: Sequence[bool | torch.Tensor], device: Any) -> list[bool]:
     return [bool(v) for v in votes.tolist()]
 
 
+def broadcast_int(value: int, device: Any) -> int:
+    """Rank 0's ``value`` on every rank (the value itself with one process)."""
+    if not distributed():
+        return int(value)
+    tensor = torch.tensor([int(value)], dtype=torch.long, device=device)
+    torch.distributed.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
 def _vote(flag: bool | torch.Tensor, device: Any) -> torch.Tensor:
     """One vote as a 0-dim float tensor on ``device``, made without a host sync."""
     if not torch.is_tensor(flag):

@@ -66,6 +66,7 @@ from .config import TrainConfig
 from .data import DataPosition, check_inputs
 from .dist import (
     any_rank,
+    broadcast_int,
     broadcast_module,
     full_state_dict,
     keep_alive,
@@ -74,6 +75,7 @@ from .dist import (
     start_processes,
     teardown,
 )
+from .schedule import FIT_FIRST_SHARE, FIT_MIN_STEPS, fitted_total, refit
 from .stop import NonFiniteError, StopSignals, check_finite
 
 BEST = "best"
@@ -194,6 +196,12 @@ class TrainRun:
         self._invocation_start = 0
         self._saved: tuple[int, int] | None = None  # (step, validations) of the last save
         self._prepared: list[Any] = []
+        # fit_schedule: where this invocation's timing starts (step, clock, validation seconds),
+        # each validation's wall time, and the validations already fitted on.
+        self._fit_from: tuple[int, float, float] | None = None
+        self._val_started: float | None = None
+        self._val_seconds: list[float] = []
+        self._fit_validations = 0
 
     # --- setup and teardown -----------------------------------------------------------------
 
@@ -376,8 +384,19 @@ class TrainRun:
 
     # --- resume, checkpoints ----------------------------------------------------------------
 
-    def resume(self) -> None:
-        """Load the newest good checkpoint (if resuming): state, data position, RNG, tensors."""
+    def resume(self, total: int | None = None, scheduler: Any = None) -> int | None:
+        """Load the newest good checkpoint (if resuming): state, data position, RNG, tensors.
+
+        Args:
+            total: the optimizer steps this invocation plans.
+            scheduler: the run's :func:`~.schedule.warmup_cosine_schedule` (registered for
+                checkpointing, so loading restored the total it had when saved).
+
+        Returns:
+            the schedule's total from here on, also given to ``scheduler``: the one a fitted
+            schedule (:meth:`fit_schedule`) planned before the checkpoint, so a resumed run
+            continues that cosine; else ``total`` (a resume that asks for more steps gets them).
+        """
         found = None
         if self.cfg.resume:
             found = ckpt.load_latest(
@@ -397,6 +416,13 @@ class TrainRun:
         self._seconds_before = float(self.state.extra.get("train_seconds", 0.0))
         if self.resumed_from is not None:
             self._saved = (self.state.step, len(self.state.validation))
+        fitted = self.state.extra.get("fitted_total")
+        if fitted is not None and total is not None and self.cfg.fit_schedule:
+            total = int(fitted)
+            self.say(f"continuing the schedule fitted to max_minutes: {total} optimizer steps")
+        if scheduler is not None and total is not None:
+            refit(scheduler, total)
+        return total
 
     def save_checkpoint(self, step: int) -> Path | None:
         """Checkpoint at ``step`` (all processes).
@@ -424,9 +450,65 @@ class TrainRun:
         return bool(self.cfg.save_every) and step % self.cfg.save_every == 0
 
     def eval_due(self, step: int, total: int) -> bool:
-        """Validate every ``eval_every`` steps and at the last step (``eval_every: 0``: only then)."""
+        """Validate every ``eval_every`` steps and at the last step (``eval_every: 0``: only then).
+
+        A due validation is timed until :meth:`record_validation` (:meth:`fit_schedule` counts
+        validations apart from training steps)."""
         every = self.cfg.eval_every
-        return step >= total or (bool(every) and step % every == 0)
+        due = step >= total or (bool(every) and step % every == 0)
+        if due:
+            self._val_started = time.monotonic()
+        return due
+
+    def fit_schedule(self, step: int, total: int, scheduler: Any) -> int:
+        """With ``fit_schedule``: re-plan the schedule's total so its cosine ends with the budget.
+
+        Called after every optimizer step; it acts at the first step of this invocation (the
+        timing starts there, after loading and the first step's start-up), once
+        :data:`~.schedule.FIT_FIRST_SHARE` of the planned steps have run, and after every
+        validation. Rank 0 times the steps (validations apart), fits the steps left in
+        ``max_minutes`` (:func:`~.schedule.fitted_total`) and broadcasts the total; the
+        scheduler's cosine is stretched or shortened to it (the step's learning rate changes
+        a little), and the total is saved with the next checkpoint (:meth:`resume`).
+
+        Returns:
+            the planned total from here on (``total`` when nothing was fitted).
+        """
+        cfg = self.cfg
+        if not cfg.fit_schedule or cfg.max_minutes is None or cfg.max_steps is not None:
+            return total
+        now = time.monotonic()
+        if self._fit_from is None:
+            self._fit_from = (step, now, sum(self._val_seconds))
+            self._fit_validations = len(self._val_seconds)
+            return total
+        first_step, first_time, first_val = self._fit_from
+        timed = step - first_step
+        first_due = timed == max(FIT_MIN_STEPS, math.ceil(FIT_FIRST_SHARE * total))
+        validated = len(self._val_seconds) > self._fit_validations
+        # Every rank takes the same branch: steps and validations are the same on all of them.
+        if step >= total or timed < FIT_MIN_STEPS or not (first_due or validated):
+            return total
+        self._fit_validations = len(self._val_seconds)
+        fitted = total
+        if self.is_main:  # rank 0's clock decides, as for max_minutes
+            fitted = fitted_total(
+                step=step,
+                steps_timed=timed,
+                seconds_timed=now - first_time - (sum(self._val_seconds) - first_val),
+                validation_seconds=self._val_seconds,
+                seconds_left=60 * cfg.max_minutes - (now - self.started),
+                eval_every=cfg.eval_every,
+            )
+        fitted = broadcast_int(fitted, self.accelerator.device)
+        if fitted != total:
+            refit(scheduler, fitted)
+            self.state.extra["fitted_total"] = fitted
+            self.say(
+                f"schedule fitted to max_minutes at step {step}: {total} -> {fitted} "
+                f"optimizer steps ({timed} steps timed)"
+            )
+        return fitted
 
     def validated(self, step: int) -> bool:
         return bool(self.state.validation) and self.state.validation[-1]["step"] == step
@@ -563,6 +645,9 @@ class TrainRun:
             save_best: writes the drafter into a directory (called on every process, writes on
                 the main one); None: no best drafter is kept.
         """
+        if self._val_started is not None:
+            self._val_seconds.append(time.monotonic() - self._val_started)
+            self._val_started = None
         entry = {**metrics, "val/sim_tau": sim_tau, "val/minutes": self.train_seconds() / 60}
         self.accelerator.log(entry, step=step)
         self.state.validation.append(finite_json({"step": step, **entry}))

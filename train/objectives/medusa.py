@@ -39,7 +39,6 @@ learning rate.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
+from ..core.schedule import WarmupCosine
 from ..data.vocab import t2d_index
 
 __all__ = [
@@ -438,20 +438,10 @@ def accuracy_report(
     }
 
 
-def warmup_cosine(warmup: int, total: int, start: int = 0) -> Callable[[int], float]:
+def warmup_cosine(warmup: int, total: int, start: int = 0) -> WarmupCosine:
     """LR multiplier: 0 before ``start``, then linear warm-up over ``warmup`` steps, then cosine
     decay to 0 at ``total`` (the schedule of ``transformers.get_cosine_schedule_with_warmup``,
-    delayed by ``start`` -- the Medusa-2 adapters sit out the heads-only warm-up).
+    delayed by ``start`` -- the Medusa-2 adapters sit out the heads-only warm-up). The warm-up
+    factor is ``(s + 1) / (warmup + 1)``: never 0 once started.
     """
-
-    def factor(step: int) -> float:
-        s = step - start
-        if s < 0:
-            return 0.0
-        if s < warmup:
-            return (s + 1) / (warmup + 1)
-        span = max(1, total - start - warmup)
-        progress = min(1.0, (s - warmup) / span)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-    return factor
+    return WarmupCosine(warmup, total, start=start, offset=1)
