@@ -12,8 +12,10 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.recipes.eagle import main as train_eagle
 from draftsmith.train.core.config import TrainConfig
 from draftsmith.train.core.schedule import (
+    FIT_MAX_FACTOR,
     FIT_RESERVE_S,
     WarmupCosine,
+    damped,
     fitted_total,
     refit,
     schedule_total,
@@ -104,6 +106,14 @@ def test_fitted_total_counts_steps_validations_and_the_final_one():
         )
         == 8
     )
+
+
+def test_one_fit_moves_the_total_a_bounded_factor():
+    """A noisy window moves the cosine a little; only fits that agree move it all the way."""
+    assert damped(600, 100, step=50) == 400 == round(600 / FIT_MAX_FACTOR)
+    assert damped(600, 5000, step=50) == 900 == round(600 * FIT_MAX_FACTOR)
+    assert damped(600, 700, step=50) == 700
+    assert damped(600, 100, step=450) == 451  # never at or before the step just taken
 
 
 def test_fit_schedule_needs_a_budget_and_no_max_steps():

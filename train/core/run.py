@@ -75,7 +75,7 @@ from .dist import (
     start_processes,
     teardown,
 )
-from .schedule import FIT_FIRST_SHARE, FIT_MIN_STEPS, fitted_total, refit
+from .schedule import FIT_EVERY_SHARE, FIT_MIN_STEPS, damped, fitted_total, refit
 from .stop import NonFiniteError, StopSignals, check_finite
 
 BEST = "best"
@@ -202,6 +202,7 @@ class TrainRun:
         self._val_started: float | None = None
         self._val_seconds: list[float] = []
         self._fit_validations = 0
+        self._fit_every = FIT_MIN_STEPS
 
     # --- setup and teardown -----------------------------------------------------------------
 
@@ -463,13 +464,15 @@ class TrainRun:
     def fit_schedule(self, step: int, total: int, scheduler: Any) -> int:
         """With ``fit_schedule``: re-plan the schedule's total so its cosine ends with the budget.
 
-        Called after every optimizer step; it acts at the first step of this invocation (the
-        timing starts there, after loading and the first step's start-up), once
-        :data:`~.schedule.FIT_FIRST_SHARE` of the planned steps have run, and after every
-        validation. Rank 0 times the steps (validations apart), fits the steps left in
-        ``max_minutes`` (:func:`~.schedule.fitted_total`) and broadcasts the total; the
-        scheduler's cosine is stretched or shortened to it (the step's learning rate changes
-        a little), and the total is saved with the next checkpoint (:meth:`resume`).
+        Called after every optimizer step. It acts after every validation and every
+        :data:`~.schedule.FIT_EVERY_SHARE` of the planned steps, timing the window of steps
+        since its previous fit (the first window starts after this invocation's first step,
+        so loading and start-up are left out). Rank 0 times the window (validations apart),
+        fits the steps left in ``max_minutes`` (:func:`~.schedule.fitted_total`), moves the
+        total at most :data:`~.schedule.FIT_MAX_FACTOR` either way (:func:`~.schedule.damped`)
+        and broadcasts it; the scheduler's cosine is stretched or shortened to it (the step's
+        learning rate changes a little), and the total is saved with the next checkpoint
+        (:meth:`resume`).
 
         Returns:
             the planned total from here on (``total`` when nothing was fitted).
@@ -481,15 +484,14 @@ class TrainRun:
         if self._fit_from is None:
             self._fit_from = (step, now, sum(self._val_seconds))
             self._fit_validations = len(self._val_seconds)
+            self._fit_every = max(FIT_MIN_STEPS, math.ceil(FIT_EVERY_SHARE * total))
             return total
         first_step, first_time, first_val = self._fit_from
         timed = step - first_step
-        first_due = timed == max(FIT_MIN_STEPS, math.ceil(FIT_FIRST_SHARE * total))
         validated = len(self._val_seconds) > self._fit_validations
         # Every rank takes the same branch: steps and validations are the same on all of them.
-        if step >= total or timed < FIT_MIN_STEPS or not (first_due or validated):
+        if step >= total or timed < FIT_MIN_STEPS or not (validated or timed >= self._fit_every):
             return total
-        self._fit_validations = len(self._val_seconds)
         fitted = total
         if self.is_main:  # rank 0's clock decides, as for max_minutes
             fitted = fitted_total(
@@ -500,7 +502,10 @@ class TrainRun:
                 seconds_left=60 * cfg.max_minutes - (now - self.started),
                 eval_every=cfg.eval_every,
             )
+            fitted = damped(total, fitted, step)
         fitted = broadcast_int(fitted, self.accelerator.device)
+        self._fit_from = (step, now, sum(self._val_seconds))
+        self._fit_validations = len(self._val_seconds)
         if fitted != total:
             refit(scheduler, fitted)
             self.state.extra["fitted_total"] = fitted

@@ -22,12 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-#: A fit needs at least this many optimizer steps of this invocation to time.
+#: A fit needs at least this many optimizer steps in its timing window.
 FIT_MIN_STEPS = 5
-#: The first fit comes once this share of the budget has passed (or at the first validation,
-#: whichever is first): late enough that the start-up (loading, first-step compilation) is
-#: behind, early enough that the cosine is still near its peak when its length changes.
-FIT_FIRST_SHARE = 0.05
+#: Fits come after every validation and every this share of the planned steps, each timing the
+#: steps since the previous fit: a window, not the run so far, because the first steps are
+#: slow (on an H200 the first 36 ran ~7x slower than the rest: new batch shapes, allocator
+#: growth), and a rate averaged from the start kept that bias.
+FIT_EVERY_SHARE = 0.1
+#: One fit changes the total by at most this factor either way: a noisy window moves the cosine
+#: a little, several windows that agree move it all the way (the H200 run above, unbounded,
+#: went 711 -> 205 -> 502 -> ... -> 1159 steps, its learning rate dipping toward 0 and back).
+FIT_MAX_FACTOR = 1.5
 #: Seconds kept free at the end of the budget for the final validation's and save's own time
 #: (on top of one measured validation).
 FIT_RESERVE_S = 5.0
@@ -94,6 +99,12 @@ def refit(scheduler: torch.optim.lr_scheduler.LambdaLR, total: int) -> None:
     for factor in scheduler.lr_lambdas:
         if isinstance(factor, WarmupCosine):
             factor.total = total
+
+
+def damped(total: int, fitted: int, step: int) -> int:
+    """``fitted`` kept within :data:`FIT_MAX_FACTOR` of ``total`` either way, and past ``step``."""
+    low, high = math.ceil(total / FIT_MAX_FACTOR), math.floor(total * FIT_MAX_FACTOR)
+    return max(step + 1, min(high, max(low, fitted)))
 
 
 def fitted_total(
