@@ -333,6 +333,34 @@ def test_max_minutes_stops_starting_prompts(tmp_path, tiny_target_dir):
     assert res["prompts_evaluated"] == res["num_prompts"] < 4
 
 
+@pytest.mark.parametrize("warmup", [None, 1])
+def test_warmup_prompts_decode_untimed_before_the_timed_ones(
+    tmp_path, tiny_target_dir, monkeypatch, warmup
+):
+    """On a CPU by default one 8-token run per method; --warmup-prompts N: N full-length decodes
+    of every method, plain included, none of them in the results."""
+    from draftsmith.recipes import evaluate as module
+
+    calls = []
+    real = module.generate
+
+    def counted(target, ids, drafter, **kwargs):
+        calls.append((drafter is None, kwargs["max_new_tokens"]))
+        return real(target, ids, drafter, **kwargs)
+
+    monkeypatch.setattr(module, "generate", counted)
+    extra = [] if warmup is None else ["--warmup-prompts", warmup]
+    args = ["--target", tiny_target_dir, "--drafter", "ngram", "--max-new-tokens", 10]
+    code, res = _run(tmp_path, *args, "--limit", 2, *extra)
+    assert code == 0 and res["prompts_evaluated"] == 2
+    # Prompt by prompt: plain, plain in the other dtype (the reference), then n-gram.
+    timed = [(True, 10), (True, 10), (False, 10)] * 2
+    if warmup is None:
+        assert calls == [(False, 8), (True, 8), *timed]
+    else:  # full length, plain included
+        assert calls == [(True, 10), (False, 10), (True, 10), *timed]
+
+
 def test_bad_shard_is_named(tmp_path, tiny_target_dir, capsys):
     code, _ = _run(tmp_path, "--target", tiny_target_dir, "--shard", "2/2")
     assert code == 2

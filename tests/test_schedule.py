@@ -298,6 +298,10 @@ def test_served_stage_serves_the_recommended_schedule_and_checks_it(served_stage
     assert md[0] == "### Load schedule"
     assert "- `ngram`: batch 1-8: k=3, batch 9-16: k=0" in md
     assert f"  - serve with `--speculative-config '{arg}'`" in md
+    # At c = 16 it stops drafting yet runs 5 % below plain: the k = 0 cost, named with its cause.
+    assert schedule["k0_cost"] == [{"concurrency": 16, "below_plain": pytest.approx(0.05)}]
+    (cost,) = [line for line in md if "stops drafting" in line]
+    assert "5 % below plain at 16 in flight" in cost and "KV cache" in cost
 
 
 def test_served_schedule_off_records_the_schedule_without_serving_it(served_stage):

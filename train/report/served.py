@@ -513,6 +513,17 @@ def _serve_schedule(
         # Within the noise margin counts as a match: the schedule is measured once, like them.
         level["schedule_ok"] = level["tokens_per_second"] >= rivals[best_of] * (1 - schedule.noise)
     out["levels"] = measured
+    # Where it stops drafting (k = 0) vLLM still runs the drafter's forward, to keep its KV
+    # cache in sync (v1/spec_decode/llm_base_proposer.py, propose): a cost only a server with no
+    # drafter avoids. Recorded where it shows beyond the noise.
+    off = {c for c, chosen in schedule.per_level.items() if chosen["k"] == 0}
+    out["k0_cost"] = [
+        {"concurrency": lv["concurrency"], "below_plain": 1 - lv["tokens_per_second"] / p}
+        for lv in measured
+        if lv["concurrency"] in off
+        and (p := plain[lv["concurrency"]]["tokens_per_second"]) > 0
+        and lv["tokens_per_second"] < p * (1 - schedule.noise)
+    ]
     return out
 
 
@@ -714,6 +725,18 @@ def schedule_markdown(served: dict[str, Any] | None) -> list[str]:
             lines.append(f"  - serve with `{arg}`")
         if schedule.get("error"):
             lines.append(f"  - the schedule server failed: {schedule['error']}")
+        cost = schedule.get("k0_cost") or []
+        if cost:
+            where = ", ".join(
+                f"{100 * c['below_plain']:.0f} % below plain at {c['concurrency']} in flight"
+                for c in cost
+            )
+            lines.append(
+                f"  - where it stops drafting it still ran {where}: at k = 0 vLLM still runs "
+                "the drafter's forward to keep its KV cache in sync, so under a load that stays "
+                f"at {min(c['concurrency'] for c in cost)} or more in flight a server without "
+                "a drafter is faster"
+            )
     if lines:
         lines = [
             "### Load schedule",
