@@ -159,3 +159,21 @@ def test_a_paused_fitted_run_resumes_its_fitted_schedule(tmp_path, tiny_target_d
     assert train_eagle([*args, "--stop-after-steps", "1"]) == 0
     out = capsys.readouterr().out
     assert f"continuing the schedule fitted to max_minutes: {fitted.group(1)} optimizer" in out
+
+
+@pytest.mark.integration
+def test_two_processes_fit_the_same_schedule(tmp_path, tiny_target_dir):
+    """Under accelerate launch with 2 CPU processes every rank fits at the same steps and takes
+    rank 0's total (a broadcast): the run finishes its fitted cosine inside the budget."""
+    from tests.test_eagle_recipe import REPO, launch_eagle
+
+    args = base_args(tmp_path, tiny_target_dir, 3, eval_every=25, save_every=0, val_samples=2)
+    i = args.index("--max-steps")
+    del args[i : i + 2]
+    args += ["--epochs", "500", "--max-minutes", "0.4", "--fit-schedule"]
+    proc = launch_eagle(REPO / "recipes/accelerate/cpu_2proc.yaml", args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "schedule fitted to max_minutes" in proc.stdout
+    metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
+    assert metrics["processes"] == 2 and metrics["stop_reason"] == "done"
+    assert metrics["steps"] == metrics["total_steps"] < 500 * 3  # 2 ranks: 3 steps an epoch
