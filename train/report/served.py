@@ -521,6 +521,7 @@ def _serve_schedule(
         {"concurrency": lv["concurrency"], "below_plain": 1 - lv["tokens_per_second"] / p}
         for lv in measured
         if lv["concurrency"] in off
+        and lv["concurrency"] in plain
         and (p := plain[lv["concurrency"]]["tokens_per_second"]) > 0
         and lv["tokens_per_second"] < p * (1 - schedule.noise)
     ]
