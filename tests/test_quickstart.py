@@ -215,28 +215,49 @@ def test_main_job_runs_every_stage(job):
     for name in ("prompts", "distill", "evaluate"):
         assert " --dtype float32" in st["stages"][name]["command"], name
 
-    # The evaluation: τ >= 1, lossless (bf16: any difference is a near-tie), on held-out prompts.
-    res = json.loads((out / "eval.json").read_text())
-    assert res["acceptance_length"] >= 1.0 and res["num_prompts"] == 2
-    assert res["config"]["dtype"] == "float32" and res["config"]["split"] == "auto"
-    assert res["identical_to_target"] is True
-    assert {p["id"] for p in res["per_prompt"]} <= {r.id for r in _heldout()}
+    # The evaluation: the chain and the 6-node tree of depth k = 2 on one plain baseline, each
+    # τ >= 1 and lossless, on held-out prompts.
+    evaluation = json.loads((out / "eval.json").read_text())
+    chain, tree = evaluation["methods"]
+    assert chain["method"].startswith("eagle3-chain[") and tree["method"].startswith("eagle3-tree[")
+    config = evaluation["config"]
+    assert config["k"] == 2 and config["tree_total_tokens"] == 6 and config["tree_topk"] == 4
+    assert config["dtype"] == "float32" and config["split"] == "auto"
+    for res in (chain, tree):
+        assert res["acceptance_length"] >= 1.0 and res["num_prompts"] == 2
+        assert res["identical_to_target"] is True
+        assert {p["id"] for p in res["per_prompt"]} <= {r.id for r in _heldout()}
+    # The job reports the faster shape (the chain on a tie) and shows both.
+    fastest = max(r["speedup_vs_fastest_plain"] for r in (chain, tree))
+    reported = chain if chain["speedup_vs_fastest_plain"] == fastest else tree
+    summary = state(out)["summary"]
+    assert summary["acceptance_length"] == reported["acceptance_length"]
+    assert summary["speedup_vs_fastest_plain"] == fastest
+    labels = ["chain, k = 2", "tree of 6 nodes, depth 2"]
+    assert [s["shape"] for s in summary["shapes"]] == labels
+    assert summary["shape"] == labels[reported is tree]
+    assert f"{summary['shape']}: τ (tokens per target forward): " in job.printed
+    assert "reported: the faster; vLLM serves the chain" in job.printed
+    assert (
+        f"| {labels[0]}{' (reported)' * (reported is chain)} |" in (out / "summary.md").read_text()
+    )
+    res = chain  # what validation simulates
 
     # The export reloads as the drafter it came from and advertises k.
     target, _ = load_target(str(job.target))
     drafter = load_export(out / "export", target)
     assert drafter.config.version == 3
     config = json.loads((out / "export/config.json").read_text())
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
 
     # The summary names the results, the paths and the serve command.
-    serve = vllm_serve_command(Path(job.target).resolve(), (out / "export").resolve(), 3)
+    serve = vllm_serve_command(Path(job.target).resolve(), (out / "export").resolve(), 2)
     assert serve in job.printed and serve in (out / "summary.md").read_text()
     assert st["summary"]["vllm_serve"] == serve
     spec = json.loads(shlex.split(serve)[-1])
     assert spec == {
         "method": "eagle3",
-        "num_speculative_tokens": 3,
+        "num_speculative_tokens": 2,
         "model": str((out / "export").resolve()),
     }
     for word in (
@@ -270,7 +291,7 @@ def test_main_job_runs_every_stage(job):
     md = (out / "summary.md").read_text()
     assert f"| {best['val/sim_tau']:.2f} |" in md and f"| {best['val_split/sim_tau']:.2f} |" in md
     assert f"| gap, validation vs evaluated τ | {gap} (training records: " in md
-    assert f"| τ (tokens per target forward) | {res['acceptance_length']:.2f} |" in md
+    assert f"| τ (tokens per target forward) | {reported['acceptance_length']:.2f} |" in md
 
 
 def _heldout(split="heldout"):
@@ -328,12 +349,16 @@ def test_stage_cut_short_resumes(job):
 
 def test_changed_setting_reruns_that_stage_and_later_ones(job):
     before = {name: s["runs"] for name, s in state(job.out)["stages"].items()}
-    code, printed = run_job([*job.argv, "--k", "2"])
+    code, printed = run_job([*job.argv, "--k", "3", "--tree-nodes", "0"])
     assert code == 0, printed
     runs = {name: s["runs"] for name, s in state(job.out)["stages"].items()}
     assert {n for n in STAGES if runs[n] != before[n]} == {"evaluate", "export"}
-    assert json.loads((job.out / "eval.json").read_text())["k"] == 2
-    assert '"num_speculative_tokens": 2' in printed
+    # The chain alone: its result is the file, and the job reports it.
+    res = json.loads((job.out / "eval.json").read_text())
+    assert res["k"] == 3 and "methods" not in res
+    assert state(job.out)["summary"]["shape"] == "chain, k = 3"
+    assert "shapes (" not in printed
+    assert '"num_speculative_tokens": 3' in printed
     # Back to the module's settings, so the job is as the other tests expect it.
     assert run_job(job.argv)[0] == 0
 
@@ -426,7 +451,13 @@ def test_default_commands_use_the_shipped_fast_settings(tmp_path, monkeypatch):
     assert value(validation, "--output") == str(tmp_path / "data/val_answers.jsonl")
     assert value(validation, "--max-new-tokens") == "128"
     evaluate = qs._evaluate().argv
-    assert value(evaluate, "--dtype") == "bfloat16" and value(evaluate, "--k") == "3"
+    assert value(evaluate, "--dtype") == "bfloat16" and value(evaluate, "--k") == "2"
+    eagle = f"eagle={tmp_path / 'eagle3/drafter'}"
+    assert (
+        value(evaluate, "--drafter") == eagle
+        and f"eagle-tree={tmp_path / 'eagle3/drafter'}" in evaluate
+    )
+    assert value(evaluate, "--tree-topk") == "4" and value(evaluate, "--tree-total-tokens") == "6"
     assert value(evaluate, "--limit") == str(qs.plan.eval_prompts) and "--prompts" not in evaluate
     assert "--no-reference-plain" not in evaluate
 

@@ -164,7 +164,8 @@ PLAN_SHARE = 0.95
 TARGET_EPOCHS = 3.0
 #: Share of the budget for the evaluation when --eval-prompts is not given.
 EVAL_SHARE = 0.17
-#: Evaluation streams per prompt: plain bf16, plain fp32 (the reference) and speculative.
+#: Evaluation streams per prompt: plain bf16, plain fp32 (the reference) and the speculative
+#: chain; the tree (``tree_nodes`` > 0) is one more.
 EVAL_STREAMS = 3
 MIN_RECORDS = 40
 MIN_TRAIN_S = 60.0
@@ -182,6 +183,7 @@ class BudgetSettings(Protocol):
     num_prompts: int | None
     records: int | None
     eval_prompts: int | None
+    tree_nodes: int
 
 
 @dataclass
@@ -290,7 +292,8 @@ def make_plan(
         eval_rates: the evaluation rates the probe compared, per dtype (shown in the plan line).
     """
     budget = PLAN_SHARE * 60 * cfg.budget_minutes
-    per_eval_prompt = EVAL_STREAMS * cfg.max_new_tokens / rates.eval_tokens_per_s
+    streams = EVAL_STREAMS + (1 if cfg.tree_nodes else 0)
+    per_eval_prompt = streams * cfg.max_new_tokens / rates.eval_tokens_per_s
     eval_prompts = cfg.eval_prompts or int(
         min(16, max(4, round(EVAL_SHARE * 60 * cfg.budget_minutes / per_eval_prompt)))
     )

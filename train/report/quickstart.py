@@ -17,12 +17,63 @@ from .text import fmt_number, is_finite_number, minutes
 
 __all__ = [
     "data_line",
+    "evaluated_shapes",
+    "reported_shape",
+    "shape_label",
     "summary_lines",
     "summary_markdown",
     "validation_figures",
     "validation_line",
     "vllm_serve_command",
 ]
+
+
+def evaluated_shapes(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The drafter shapes an ``eval.json`` holds, in the order evaluated (the chain first).
+
+    One drafter evaluated: the file is its result; several (chain and tree, sharing one plain
+    baseline): one entry each under ``methods``. Entries without a τ are left out.
+    """
+    if not isinstance(result, dict):
+        return []
+    methods = result.get("methods")
+    rows = methods if isinstance(methods, list) else [result]
+    return [r for r in rows if isinstance(r, dict) and "acceptance_length" in r]
+
+
+def _speed(result: dict[str, Any]) -> float:
+    for key in ("speedup_vs_fastest_plain", "speedup"):
+        if is_finite_number(result.get(key)):
+            return float(result[key])
+    return float("-inf")
+
+
+def reported_shape(shapes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shape the job reports: the fastest against the fastest plain decoding (its speedup
+    over same-dtype plain where that is all there is); the first (the chain) on a tie.
+
+    Both shapes decode the same prompts interleaved with one plain baseline, so their speedups
+    compare like with like. An empty dict when nothing was evaluated.
+    """
+    best: dict[str, Any] = {}
+    for shape in shapes:
+        if not best or _speed(shape) > _speed(best):
+            best = shape
+    return best
+
+
+def shape_label(result: dict[str, Any], config: dict[str, Any] | None = None) -> str:
+    """``chain, k = 2`` or ``tree of 6 nodes, depth 2`` for one evaluated shape.
+
+    Args:
+        result: one entry of :func:`evaluated_shapes`.
+        config: the evaluation's config (``eval.json``'s ``config``: ``tree_total_tokens``).
+    """
+    k = result.get("k", "-")
+    if "-tree[" in str(result.get("method", "")):
+        nodes = (config or {}).get("tree_total_tokens", "-")
+        return f"tree of {nodes} nodes, depth {k}"
+    return f"chain, k = {k}"
 
 
 def vllm_serve_command(target: str | Path, export: str | Path, k: int) -> str:
@@ -155,11 +206,14 @@ def summary_lines(
         cfg: the quickstart's settings (``budget_minutes`` is read).
     """
     plain = _short(summary.get("dtype"))
+    shape = summary.get("shape")
     lines = [
-        f"τ (tokens per target forward): {fmt_number(summary['acceptance_length'])}; speedup "
+        (f"{shape}: " if shape else "")
+        + f"τ (tokens per target forward): {fmt_number(summary['acceptance_length'])}; speedup "
         f"over plain {plain}: {fmt_number(summary['speedup'], '.2f', 'x')}; over the fastest "
         f"plain decoding: {fmt_number(summary['speedup_vs_fastest_plain'], '.2f', 'x')}; lossless: "
         f"{_identical(summary)}",
+        *_shapes_line(summary),
         validation_line(summary.get("validation") or {}),
         data_line(summary.get("data") or {}),
         "stages: "
@@ -179,6 +233,56 @@ def summary_lines(
         f"  {summary['vllm_serve']}",
     ]
     return lines
+
+
+def _shapes_line(summary: dict[str, Any]) -> list[str]:
+    """The evaluated shapes side by side (none when one shape was evaluated)."""
+    shapes = summary.get("shapes") or []
+    if len(shapes) < 2:
+        return []
+    each = "; ".join(
+        f"{s['shape']}: τ {fmt_number(s.get('acceptance_length'))}, "
+        f"{fmt_number(s.get('speedup_vs_fastest_plain'), '.2f', 'x')}"
+        for s in shapes
+    )
+    return [
+        f"shapes (× the fastest plain decoding): {each}; reported: the faster; vLLM serves the "
+        f"chain (EAGLE-2 trees run in draftsmith's loop)"
+    ]
+
+
+def _shapes_table(summary: dict[str, Any]) -> str:
+    """Markdown: one column per evaluated shape (empty when one shape was evaluated)."""
+    shapes = summary.get("shapes") or []
+    if len(shapes) < 2:
+        return ""
+    cols = [
+        f"{s['shape']}{' (reported)' if s['shape'] == summary.get('shape') else ''}" for s in shapes
+    ]
+
+    def row(title: str, key: str, spec: str = ".2f", suffix: str = "") -> str:
+        cells = " | ".join(fmt_number(s.get(key), spec, suffix) for s in shapes)
+        return f"| {title} | {cells} |"
+
+    alpha = " | ".join(
+        " ".join(f"{a:.2f}" for a in s.get("acceptance_rate_per_position") or []) or "-"
+        for s in shapes
+    )
+    lines = [
+        "",
+        "Both shapes of the same drafter, on the same prompts, interleaved with one plain "
+        "baseline; the table above is the faster one's. vLLM serves the chain; EAGLE-2 trees run "
+        "in draftsmith's loop (`draftsmith evaluate --drafter eagle-tree=DIR`).",
+        "",
+        f"| | {' | '.join(cols)} |",
+        "|---|" + "---:|" * len(shapes),
+        row("τ (tokens per target forward)", "acceptance_length"),
+        f"| α per depth | {alpha} |",
+        row("speculative tok/s", "tokens_per_second", ".1f"),
+        row("speedup over plain, same dtype", "speedup", ".2f", "x"),
+        row("speedup over the fastest plain", "speedup_vs_fastest_plain", ".2f", "x"),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def summary_markdown(
@@ -228,7 +332,8 @@ def summary_markdown(
 
 `{command}` trained an EAGLE-3 drafter for `{cfg.target or "SmolLM2-135M-Instruct"}` and measured
 it against plain decoding on {result.get("num_prompts", "-")} of the project's held-out prompts
-({result.get("dtype", "bfloat16")}, greedy, k = {cfg.k}, {cfg.max_new_tokens} new tokens).
+({result.get("dtype", "bfloat16")}, greedy, {summary.get("shape") or f"k = {cfg.k}"}, \
+{cfg.max_new_tokens} new tokens).
 
 ## Results
 
@@ -245,10 +350,10 @@ it against plain decoding on {result.get("num_prompts", "-")} of the project's h
 {validation_rows}
 | training | {trained} |
 | data | {data_line(summary.get("data") or {}).removeprefix("data: ")} |
-
+{_shapes_table(summary)}
 The validation prompts are the project's shipped `train` prompts (the held-out ones' kind){yours},
 answered by the target and never trained on: their simulated τ chose the drafter, and the gap says
-how well it predicted the evaluated τ.
+how well it predicted the evaluated τ of the chain (validation simulates a chain).
 
 ## Files
 
