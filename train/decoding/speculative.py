@@ -81,9 +81,15 @@ def _keep_cache(cache: DynamicCache, keep: int, extra: torch.Tensor | None = Non
             layer.keys = layer.keys[..., :keep, :]
             layer.values = layer.values[..., :keep, :]
         else:
-            idx = torch.cat([torch.arange(keep, device=extra.device), extra])
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+            # Move the m kept rows down to keep..keep+m-1 and cut the rest: copies m rows per
+            # layer, not the whole cache (an index_select of every row cost ~3 % of a bf16 tree
+            # round of SmolLM2 at 300 tokens). Safe in place: extra[i] >= keep + i, and the rows
+            # are gathered before they are written.
+            m = extra.numel()
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[..., keep : keep + m, :] = t.index_select(-2, extra)
+                setattr(layer, name, t[..., : keep + m, :])
 
 
 def _accept_chain(
