@@ -70,3 +70,52 @@ def test_load_target_patches_only_on_cpu_in_bf16(tiny_target_dir):
     patched = [m for m in bf16.modules() if type(m) is nn.Linear and "forward" in vars(m)]
     assert patched and len(patched) == sum(type(m) is nn.Linear for m in bf16.modules())
     assert not any("forward" in vars(m) for m in fp32.modules() if type(m) is nn.Linear)
+
+
+def test_gqa_switch_drops_the_kv_copies_and_keeps_the_logits(monkeypatch):
+    """With the switch, a tree-masked verify forward reads the grouped K/V heads directly
+    (no repeat_kv) and gives the logits of the copying path."""
+    import transformers.integrations.sdpa_attention as sdpa
+    from conftest import tiny_llama
+    from transformers import DynamicCache
+
+    from draftsmith.train.decoding.speculative import _tree_inputs
+    from draftsmith.train.target_model.kernels import FORCE_GQA_ENV
+
+    model = tiny_llama(layers=2)  # 4 query heads, 2 K/V heads
+    model.set_attn_implementation("sdpa")
+    calls = []
+    real = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: calls.append(n) or real(h, n))
+    prompt = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    tree = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    mask, pos, _ = _tree_inputs([-1, -1, -1, -1, 0, 1], prompt.shape[1], torch.device("cpu"))
+    logits = {}
+    with torch.inference_mode():
+        for switch in ("0", "1"):
+            monkeypatch.setenv(FORCE_GQA_ENV, switch)
+            calls.clear()
+            cache = DynamicCache(config=model.config)
+            model(input_ids=prompt, cache=cache, use_cache=True)
+            out = model(
+                input_ids=tree, cache=cache, use_cache=True, attention_mask=mask, position_ids=pos
+            )
+            logits[switch] = out.logits
+            assert bool(calls) == (switch == "0"), switch  # 2 layers x (keys, values) copied
+    torch.testing.assert_close(logits["1"], logits["0"])
+
+
+def test_gqa_switch_is_set_for_cpu_models_only(monkeypatch):
+    import os
+
+    from conftest import tiny_llama
+
+    from draftsmith.train.target_model.kernels import FORCE_GQA_ENV, gqa_attention_on_cpu
+
+    monkeypatch.delenv(FORCE_GQA_ENV, raising=False)
+    assert gqa_attention_on_cpu(tiny_llama(layers=1).to("meta")) is False
+    assert FORCE_GQA_ENV not in os.environ
+    assert gqa_attention_on_cpu(tiny_llama(layers=1)) is True and os.environ[FORCE_GQA_ENV] == "1"
+    assert gqa_attention_on_cpu(tiny_llama(layers=1)) is False  # already set
+    monkeypatch.setenv(FORCE_GQA_ENV, "0")  # a user's own setting is kept
+    assert gqa_attention_on_cpu(tiny_llama(layers=1)) is False and os.environ[FORCE_GQA_ENV] == "0"
