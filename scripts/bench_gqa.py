@@ -3,7 +3,7 @@
 transformers' SDPA attention repeats every layer's cached keys and values to all query heads
 (``repeat_kv``) unless ``enable_gqa`` applies, which it only does without a mask (or for one
 query token). ``TRANSFORMERS_SDPA_FORCE_GQA=1`` makes it pass ``enable_gqa=True`` always;
-draftsmith sets it for a target loaded on the CPU (``gqa_attention_on_cpu`` in
+draftsmith's decoding loop sets it while it decodes on a CPU (``grouped_kv_attention`` in
 ``train/target_model/kernels.py``). This benchmark measures what that buys, per forward, on the
 real target with a KV cache of ``--context`` tokens: a one-token decode step, a k = 2 chain
 verify (3 tokens, causal) and a 6-node depth-2 tree verify (7 tokens, the loop's 4-D ancestor

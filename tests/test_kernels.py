@@ -105,17 +105,32 @@ def test_gqa_switch_drops_the_kv_copies_and_keeps_the_logits(monkeypatch):
     torch.testing.assert_close(logits["1"], logits["0"])
 
 
-def test_gqa_switch_is_set_for_cpu_models_only(monkeypatch):
+def test_gqa_switch_is_set_while_decoding_on_a_cpu_only(monkeypatch):
     import os
 
     from conftest import tiny_llama
 
-    from draftsmith.train.target_model.kernels import FORCE_GQA_ENV, gqa_attention_on_cpu
+    from draftsmith.train.decoding.speculative import generate
+    from draftsmith.train.target_model import kernels
 
-    monkeypatch.delenv(FORCE_GQA_ENV, raising=False)
-    assert gqa_attention_on_cpu(tiny_llama(layers=1).to("meta")) is False
-    assert FORCE_GQA_ENV not in os.environ
-    assert gqa_attention_on_cpu(tiny_llama(layers=1)) is True and os.environ[FORCE_GQA_ENV] == "1"
-    assert gqa_attention_on_cpu(tiny_llama(layers=1)) is False  # already set
-    monkeypatch.setenv(FORCE_GQA_ENV, "0")  # a user's own setting is kept
-    assert gqa_attention_on_cpu(tiny_llama(layers=1)) is False and os.environ[FORCE_GQA_ENV] == "0"
+    monkeypatch.delenv(kernels.FORCE_GQA_ENV, raising=False)
+    with kernels.grouped_kv_attention(torch.device("meta")):
+        assert kernels.FORCE_GQA_ENV not in os.environ
+    with kernels.grouped_kv_attention(torch.device("cpu")):
+        assert os.environ[kernels.FORCE_GQA_ENV] == "1"
+    assert kernels.FORCE_GQA_ENV not in os.environ  # removed after the block
+    monkeypatch.setenv(kernels.FORCE_GQA_ENV, "0")  # a user's own setting is kept
+    with kernels.grouped_kv_attention(torch.device("cpu")):
+        assert os.environ[kernels.FORCE_GQA_ENV] == "0"
+    # The decoding loop runs under it, and leaves the process as it found it.
+    monkeypatch.delenv(kernels.FORCE_GQA_ENV)
+    seen = []
+    model = tiny_llama(layers=1)
+    real = model.forward
+    monkeypatch.setattr(
+        model,
+        "forward",
+        lambda *a, **k: seen.append(os.environ.get(kernels.FORCE_GQA_ENV)) or real(*a, **k),
+    )
+    generate(model, [1, 2, 3], None, max_new_tokens=3)
+    assert seen == ["1"] * 3 and kernels.FORCE_GQA_ENV not in os.environ

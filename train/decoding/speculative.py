@@ -43,6 +43,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ...heads.base import Drafter, Features, GenerationOutput, Proposal
 from ...heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
 from ..device import DeviceTimer
+from ..target_model.kernels import grouped_kv_attention
 from .draft_length import AdaptiveDraftLength
 
 
@@ -417,144 +418,149 @@ def generate(
     # Reads the clock after the device has finished (a GPU runs ahead of the host).
     clock = DeviceTimer(device).now
 
-    t_start = clock()
-    draft_time = 0.0
-    result = GenerationOutput(tokens=[], accepted_per_position=[0] * k)
+    # Batch-1 decoding on a CPU: SDPA reads the grouped K/V heads directly (no repeat_kv copy
+    # of the cache before each verify forward; train/target_model/kernels.py).
+    with grouped_kv_attention(device):
+        t_start = clock()
+        draft_time = 0.0
+        result = GenerationOutput(tokens=[], accepted_per_position=[0] * k)
 
-    # Prefill: the prompt's logits at its last position give the first token, exactly as plain
-    # decoding; the drafter gets the prompt's hidden states from this same forward.
-    cache = DynamicCache(config=target.config)
-    out = target(
-        input_ids=prompt,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-        output_hidden_states=want_hidden,
-    )
-    result.target_forwards = 1
-    first, _ = choose(out.logits[0, -1], sampling, generator)
-    emitted = [int(first)]  # sync: the first token decides whether generation goes on
-    if drafter is not None:
-        t0 = clock()
-        drafter.start(prompt, _features(out, layers, slice(None)))
-        draft_time += clock() - t0
-    result.prefill_time = clock() - t_start
-
-    # ids holds prompt + emitted tokens in a preallocated buffer (no re-allocation per step).
-    buf = torch.empty(1, prompt.shape[1] + max_new_tokens, dtype=torch.long, device=device)
-    buf[:, : prompt.shape[1]] = prompt
-    length = prompt.shape[1]
-    new_tokens = result.tokens
-    empty = Proposal(tokens=torch.empty(0, dtype=torch.long, device=device))
-
-    # One step = draft, one target forward, one host read of its outcome (how many tokens were
-    # accepted decides the next step on the host; every other value stays on the device).
-    while True:
-        # Stop checks on what was just emitted: truncate after the first EOS and at the budget,
-        # so the output ends exactly where plain decoding's would.
-        budget = max_new_tokens - len(new_tokens)
-        emitted = emitted[:budget]
-        for i, tok in enumerate(emitted):
-            if tok in eos:
-                emitted = emitted[: i + 1]
-                result.stop_reason = "eos"
-                break
-        new_tokens.extend(emitted)
-        buf[0, length : length + len(emitted)] = torch.tensor(emitted, device=device)
-        length += len(emitted)
-        if result.stop_reason == "eos" or len(new_tokens) >= max_new_tokens:
-            break
-        ids = buf[:, :length]
-        past = length - 1  # the target has seen every token but the last
-
-        # Draft. Never propose more than the budget can use: a step emits accepted + 1 tokens.
-        k_step = min(k, max_new_tokens - len(new_tokens) - 1)
-        if draft_length is not None and drafter is not None:
-            k_step = draft_length.choose(k_step)
-        step_draft_time = 0.0
-        if drafter is not None and k_step > 0:
-            t0 = clock()
-            proposal = drafter.propose(ids, k_step, sampling, generator)
-            step_draft_time = clock() - t0
-            draft_time += step_draft_time
-            if proposal.parents is None and len(proposal) > k_step:
-                proposal = Proposal(  # a chain drafter that ignored k: keep what fits
-                    proposal.tokens[:k_step],
-                    None if proposal.probs is None else proposal.probs[:k_step],
-                )
-        else:
-            proposal = empty
-        n = len(proposal)
-        tree = proposal.parents is not None and n > 0
-        t_verify = clock() if draft_length is not None else 0.0
-        draft = proposal.tokens.to(device)
-
-        # Verify all proposed tokens in one target forward.
-        inputs = torch.cat([ids[:, -1], draft])[None]
-        if tree:
-            par = proposal.parents.tolist()  # sync: the tree's shape builds the mask on the host
-            mask, pos, _ = _tree_inputs(par, past, device)
-            kids = None if sampling.greedy else _tree_children(par, device)
-            out = target(
-                input_ids=inputs,
-                cache=cache,
-                use_cache=True,
-                attention_mask=mask,
-                position_ids=pos,
-                output_hidden_states=want_hidden,
-            )
-        else:
-            out = target(
-                input_ids=inputs, cache=cache, use_cache=True, output_hidden_states=want_hidden
-            )
-        result.target_forwards += 1
-        logits = out.logits[0]
-
-        if tree:
-            if kids is None:
-                decision = logits.argmax(dim=-1)  # [n + 1]
-            else:  # [n + 2]
-                tree_proposal = Proposal(draft, proposal.probs, proposal.parents)
-                # n bounds the depth: the walk stays put once it stops, so extra steps are free.
-                decision = _accept_tree_sampled(
-                    logits, tree_proposal, *kids, n, sampling, generator
-                )
-            read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome
-            toks = read[-n:]
-            if kids is None:
-                path, nxt = _accept_tree_greedy(read[: n + 1], toks, par)
-            else:
-                path, nxt = _tree_path(read[: n + 1]), read[n + 1]
-            accepted = len(path)
-            if proposal.priority is not None:
-                _count_pruned(result.accepted_by_tree_size, proposal.priority, path, n)
-            emitted = [toks[row - 1] for row in path] + [nxt]
-            kept_rows = torch.tensor([0, *path], device=device)
-            _keep_cache(cache, past + 1, past + kept_rows[1:])
-            kept: torch.Tensor | slice = kept_rows
-        else:
-            proposal = Proposal(draft, proposal.probs)
-            decision = _accept_chain(logits, proposal, sampling, generator)
-            read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome, read once
-            accepted, nxt = read[0], read[1]
-            emitted = [*read[2 : 2 + accepted], nxt]
-            if accepted < n:
-                cache.crop(accepted - n)
-            kept = slice(0, accepted + 1)
-
-        if draft_length is not None and drafter is not None and not tree:
-            draft_length.update(n, accepted, clock() - t_verify, step_draft_time)
-        if n:
-            result.draft_steps += 1
-            result.proposed += n
-            result.accepted += accepted
-            for i in range(min(accepted, k)):
-                result.accepted_per_position[i] += 1
+        # Prefill: the prompt's logits at its last position give the first token, exactly as plain
+        # decoding; the drafter gets the prompt's hidden states from this same forward.
+        cache = DynamicCache(config=target.config)
+        out = target(
+            input_ids=prompt,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            output_hidden_states=want_hidden,
+        )
+        result.target_forwards = 1
+        first, _ = choose(out.logits[0, -1], sampling, generator)
+        emitted = [int(first)]  # sync: the first token decides whether generation goes on
         if drafter is not None:
             t0 = clock()
-            drafter.accept(accepted, _features(out, layers, kept))
+            drafter.start(prompt, _features(out, layers, slice(None)))
             draft_time += clock() - t0
+        result.prefill_time = clock() - t_start
 
-    result.wall_time = clock() - t_start
-    result.draft_time = draft_time
-    return result
+        # ids holds prompt + emitted tokens in a preallocated buffer (no re-allocation per step).
+        buf = torch.empty(1, prompt.shape[1] + max_new_tokens, dtype=torch.long, device=device)
+        buf[:, : prompt.shape[1]] = prompt
+        length = prompt.shape[1]
+        new_tokens = result.tokens
+        empty = Proposal(tokens=torch.empty(0, dtype=torch.long, device=device))
+
+        # One step = draft, one target forward, one host read of its outcome (how many tokens were
+        # accepted decides the next step on the host; every other value stays on the device).
+        while True:
+            # Stop checks on what was just emitted: truncate after the first EOS and at the budget,
+            # so the output ends exactly where plain decoding's would.
+            budget = max_new_tokens - len(new_tokens)
+            emitted = emitted[:budget]
+            for i, tok in enumerate(emitted):
+                if tok in eos:
+                    emitted = emitted[: i + 1]
+                    result.stop_reason = "eos"
+                    break
+            new_tokens.extend(emitted)
+            buf[0, length : length + len(emitted)] = torch.tensor(emitted, device=device)
+            length += len(emitted)
+            if result.stop_reason == "eos" or len(new_tokens) >= max_new_tokens:
+                break
+            ids = buf[:, :length]
+            past = length - 1  # the target has seen every token but the last
+
+            # Draft. Never propose more than the budget can use: a step emits accepted + 1 tokens.
+            k_step = min(k, max_new_tokens - len(new_tokens) - 1)
+            if draft_length is not None and drafter is not None:
+                k_step = draft_length.choose(k_step)
+            step_draft_time = 0.0
+            if drafter is not None and k_step > 0:
+                t0 = clock()
+                proposal = drafter.propose(ids, k_step, sampling, generator)
+                step_draft_time = clock() - t0
+                draft_time += step_draft_time
+                if proposal.parents is None and len(proposal) > k_step:
+                    proposal = Proposal(  # a chain drafter that ignored k: keep what fits
+                        proposal.tokens[:k_step],
+                        None if proposal.probs is None else proposal.probs[:k_step],
+                    )
+            else:
+                proposal = empty
+            n = len(proposal)
+            tree = proposal.parents is not None and n > 0
+            t_verify = clock() if draft_length is not None else 0.0
+            draft = proposal.tokens.to(device)
+
+            # Verify all proposed tokens in one target forward.
+            inputs = torch.cat([ids[:, -1], draft])[None]
+            if tree:
+                par = (
+                    proposal.parents.tolist()
+                )  # sync: the tree's shape builds the mask on the host
+                mask, pos, _ = _tree_inputs(par, past, device)
+                kids = None if sampling.greedy else _tree_children(par, device)
+                out = target(
+                    input_ids=inputs,
+                    cache=cache,
+                    use_cache=True,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    output_hidden_states=want_hidden,
+                )
+            else:
+                out = target(
+                    input_ids=inputs, cache=cache, use_cache=True, output_hidden_states=want_hidden
+                )
+            result.target_forwards += 1
+            logits = out.logits[0]
+
+            if tree:
+                if kids is None:
+                    decision = logits.argmax(dim=-1)  # [n + 1]
+                else:  # [n + 2]
+                    tree_proposal = Proposal(draft, proposal.probs, proposal.parents)
+                    # n bounds the depth: the walk stays put once it stops, so extra steps are free.
+                    decision = _accept_tree_sampled(
+                        logits, tree_proposal, *kids, n, sampling, generator
+                    )
+                read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome
+                toks = read[-n:]
+                if kids is None:
+                    path, nxt = _accept_tree_greedy(read[: n + 1], toks, par)
+                else:
+                    path, nxt = _tree_path(read[: n + 1]), read[n + 1]
+                accepted = len(path)
+                if proposal.priority is not None:
+                    _count_pruned(result.accepted_by_tree_size, proposal.priority, path, n)
+                emitted = [toks[row - 1] for row in path] + [nxt]
+                kept_rows = torch.tensor([0, *path], device=device)
+                _keep_cache(cache, past + 1, past + kept_rows[1:])
+                kept: torch.Tensor | slice = kept_rows
+            else:
+                proposal = Proposal(draft, proposal.probs)
+                decision = _accept_chain(logits, proposal, sampling, generator)
+                read = torch.cat([decision, draft]).tolist()  # sync: the step's outcome, read once
+                accepted, nxt = read[0], read[1]
+                emitted = [*read[2 : 2 + accepted], nxt]
+                if accepted < n:
+                    cache.crop(accepted - n)
+                kept = slice(0, accepted + 1)
+
+            if draft_length is not None and drafter is not None and not tree:
+                draft_length.update(n, accepted, clock() - t_verify, step_draft_time)
+            if n:
+                result.draft_steps += 1
+                result.proposed += n
+                result.accepted += accepted
+                for i in range(min(accepted, k)):
+                    result.accepted_per_position[i] += 1
+            if drafter is not None:
+                t0 = clock()
+                drafter.accept(accepted, _features(out, layers, kept))
+                draft_time += clock() - t0
+
+        result.wall_time = clock() - t_start
+        result.draft_time = draft_time
+        return result

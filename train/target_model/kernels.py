@@ -17,14 +17,16 @@ workaround stays on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PATCHED_DTYPES", "flatten_linear_inputs", "gqa_attention_on_cpu", "needs_flat_inputs"]
+__all__ = ["PATCHED_DTYPES", "flatten_linear_inputs", "grouped_kv_attention", "needs_flat_inputs"]
 
 #: transformers' switch: SDPA with ``enable_gqa=True`` even under an attention mask.
 FORCE_GQA_ENV = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -80,8 +82,9 @@ def flatten_linear_inputs(*modules: object) -> int:
     return patched
 
 
-def gqa_attention_on_cpu(model: nn.Module) -> bool:
-    """Let a CPU model's grouped-query attention read its K/V heads without copying them.
+@contextlib.contextmanager
+def grouped_kv_attention(device: torch.device) -> Iterator[None]:
+    """While decoding one sequence on a CPU, let SDPA read grouped K/V heads without copies.
 
     transformers' SDPA attention passes ``enable_gqa=True`` only when no mask is given (or for
     a single query token); any other forward first repeats every layer's cached keys and values
@@ -90,16 +93,21 @@ def gqa_attention_on_cpu(model: nn.Module) -> bool:
     SmolLM2 (9 query, 3 K/V heads, bf16, 300 cached positions, one thread) a 3-token chain
     verify took 57.7 ms with the copies and 55.8 ms without, a 7-token tree verify 63.8 and
     62.8 ms, and a one-token decode 59.5 and 58.1 ms, with identical logits
-    (``scripts/bench_gqa.py``, ``bench/gqa_cpu.json``). CPU SDPA computes masked GQA directly; CUDA's fused kernels
-    do not (they fall back to the math kernel), so the switch is set only for a model on the
-    CPU. It is process-wide (transformers reads it at each call): a GPU model loaded later in
-    the same process would run masked GQA in the math kernel, still exact.
+    (``scripts/bench_gqa.py``, ``bench/gqa_cpu.json``).
 
-    Returns:
-        Whether the switch was set now (False: not a CPU model, or already set either way).
+    Only around batch-1 decoding (the loop in ``train/decoding/speculative.py``): batched
+    generation with padding masks got slower with it (self-distillation at batch 64 ran at
+    ~215 tokens/s against ~315 when the switch was process-wide, two 30-minute jobs of
+    2026-12-04). Only on a CPU: CUDA's fused kernels do not take masked GQA (they fall back to
+    the math kernel). A user's own setting of the variable is kept. The switch is transformers'
+    ``TRANSFORMERS_SDPA_FORCE_GQA``, read at each attention call, so it is set for the block
+    and removed after.
     """
-    param = next(model.parameters(), None)
-    if param is None or param.device.type != "cpu" or FORCE_GQA_ENV in os.environ:
-        return False
+    if device.type != "cpu" or FORCE_GQA_ENV in os.environ:
+        yield
+        return
     os.environ[FORCE_GQA_ENV] = "1"
-    return True
+    try:
+        yield
+    finally:
+        os.environ.pop(FORCE_GQA_ENV, None)

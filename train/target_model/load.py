@@ -177,10 +177,9 @@ def load_target(
     model.requires_grad_(False)
     # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target_model/kernels.py);
     # patched only where that path exists (CPU, bf16/fp16), so after the move and the dtype.
-    from .kernels import flatten_linear_inputs, gqa_attention_on_cpu
+    from .kernels import flatten_linear_inputs
 
     flatten_linear_inputs(model)
-    gqa_attention_on_cpu(model)  # no K/V copies in multi-token (verify) forwards on a CPU
     return model, tokenizer
 
 
