@@ -38,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=300, help="cached tokens")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-new-tokens", type=int, default=48)
+    parser.add_argument("--batch-reps", type=int, default=2)
+    parser.add_argument("--batch-threads", type=int, default=2)
     parser.add_argument("--out", default="bench/gqa_cpu.json")
     args = parser.parse_args(argv)
 
     from transformers import DynamicCache
 
+    from draftsmith.train.datagen.generation import generate_batch
     from draftsmith.train.decoding.speculative import _keep_cache, _tree_inputs
     from draftsmith.train.device import make_generator
     from draftsmith.train.runinfo import run_info
@@ -99,8 +104,34 @@ def main(argv: list[str] | None = None) -> int:
             f"{shape:24s} copies {off:6.2f} ms  enable_gqa {on:6.2f} ms  "
             f"({on / off:.3f}x, logits differ by {r['max_abs_logit_difference']:g})"
         )
+    # Batched generation: self-distillation's decoder, padded prompts under a 2-D mask.
+    torch.set_num_threads(args.batch_threads)
+    lengths = torch.randint(20, 81, (args.batch_size,), generator=gen).tolist()
+    prompts = [torch.randint(100, 30000, (n,), generator=gen).tolist() for n in lengths]
+    batched: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(args.batch_reps):
+        for gqa in (False, True):
+            os.environ[ENV] = "1" if gqa else "0"
+            t = time.perf_counter()
+            out = generate_batch(target, prompts, max_new_tokens=args.batch_new_tokens)
+            rate = sum(len(o.tokens) for o in out) / (time.perf_counter() - t)
+            batched["on" if gqa else "off"].append(rate)
+    os.environ.pop(ENV, None)
+    batch_row = {
+        "batch_size": args.batch_size,
+        "new_tokens": args.batch_new_tokens,
+        "threads": args.batch_threads,
+        "tokens_per_s_copies": statistics.mean(batched["off"]),
+        "tokens_per_s_enable_gqa": statistics.mean(batched["on"]),
+        "samples": batched,
+    }
+    print(
+        f"generate_batch x{args.batch_size}      copies {batch_row['tokens_per_s_copies']:.0f} "
+        f"tok/s  enable_gqa {batch_row['tokens_per_s_enable_gqa']:.0f} tok/s"
+    )
     result = {
         "benchmark": "SDPA grouped-query attention: repeat_kv copies against enable_gqa",
+        "batched_generation": batch_row,
         "dtype": args.dtype,
         "context_tokens": args.context,
         "threads": args.threads,

@@ -91,14 +91,14 @@ def grouped_kv_attention(device: torch.device) -> Iterator[None]:
     to all query heads (``repeat_kv``, a copy of the whole cache per layer per forward). The
     verify forwards of speculative decoding have several queries and, for trees, a mask. On
     SmolLM2 (9 query, 3 K/V heads, bf16, 300 cached positions, one thread) a 3-token chain
-    verify took 57.7 ms with the copies and 55.8 ms without, a 7-token tree verify 63.8 and
-    62.8 ms, and a one-token decode 59.5 and 58.1 ms, with identical logits
+    verify took 54.8 ms with the copies and 53.5 ms without, a 7-token tree verify 60.6 and
+    59.1 ms, and a one-token decode 56.2 and 56.0 ms, with identical logits
     (``scripts/bench_gqa.py``, ``bench/gqa_cpu.json``).
 
     Only around batch-1 decoding (the loop in ``train/decoding/speculative.py``): batched
-    generation with padding masks got slower with it (self-distillation at batch 64 ran at
-    ~215 tokens/s against ~315 when the switch was process-wide, two 30-minute jobs of
-    2026-12-04). Only on a CPU: CUDA's fused kernels do not take masked GQA (they fall back to
+    generation with padding masks got slower with it: ``generate_batch`` at batch 64, 202
+    tokens/s against 296 (the same benchmark; a 30-minute job with the switch process-wide
+    self-distilled at ~215 tokens/s where the one before it had ~315). Only on a CPU: CUDA's fused kernels do not take masked GQA (they fall back to
     the math kernel). A user's own setting of the variable is kept. The switch is transformers'
     ``TRANSFORMERS_SDPA_FORCE_GQA``, read at each attention call, so it is set for the block
     and removed after.
