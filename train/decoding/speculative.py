@@ -496,9 +496,7 @@ def generate(
             # Verify all proposed tokens in one target forward.
             inputs = torch.cat([ids[:, -1], draft])[None]
             if tree:
-                par = (
-                    proposal.parents.tolist()
-                )  # sync: the tree's shape builds the mask on the host
+                par = proposal.parents.tolist()  # sync: the tree's shape builds the mask
                 mask, pos, _ = _tree_inputs(par, past, device)
                 kids = None if sampling.greedy else _tree_children(par, device)
                 out = target(
