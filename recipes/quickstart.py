@@ -1091,17 +1091,18 @@ class Quickstart(StageJob):
         stages = self.state["stages"]
         ran_now = sum(self.seconds_this_run.values())
         config = evaluation.get("config") if isinstance(evaluation, dict) else None
-        keys = ("acceptance_length", "acceptance_rate_per_position", "tokens_per_second")
+        keys = (
+            "acceptance_length",
+            "acceptance_rate_per_position",
+            "tokens_per_second",
+            "speedup",
+            "speedup_vs_fastest_plain",
+            "identical_rate",
+        )
         summary = {
             "shape": shape_label(result, config) if result else None,
             "shapes": [
-                {
-                    "shape": shape_label(s, config),
-                    **{key: s.get(key) for key in keys},
-                    "speedup": s.get("speedup"),
-                    "speedup_vs_fastest_plain": s.get("speedup_vs_fastest_plain"),
-                    "identical_rate": s.get("identical_rate"),
-                }
+                {"shape": shape_label(s, config), **{key: s.get(key) for key in keys}}
                 for s in shapes
             ],
             "dtype": result.get("dtype") or self.plan.eval_dtype,
