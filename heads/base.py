@@ -208,7 +208,7 @@ class BuildOptions:
         load_model: ``load_model(path, dtype) -> model``: loads a causal LM from a local HF
             directory or ``.gguf`` file; kinds that load a draft LM need it.
         fast_linears: ``fast_linears(*modules)`` patches a built drafter's linear layers for
-            faster CPU kernels (evaluate injects ``flatten_linear_inputs``, which patches only
+            faster CPU kernels (evaluate injects ``fast_cpu_linears``, which patches only
             CPU bf16 layers); default: nothing.
         clock: seconds for timing the drafter's own work; on a GPU it must synchronize the
             device before reading (evaluate injects ``DeviceTimer(device).now``); default:

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .base import BuildOptions, DrafterKind, Features, Proposal
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, choose, greedy_ids
 from .vocab_maps import check_vocab_maps, spread_logits, vocab_target_ids
 
 __all__ = [
@@ -597,7 +597,7 @@ class MedusaProposer:
             for d in range(depth):
                 logits = heads.head_logits(d, self._hidden)  # [N], the draft vocabulary
                 if sampling.greedy:  # argmax over the draft vocabulary, as a target id
-                    tok, q = heads.target_ids(logits.argmax(-1)), None
+                    tok, q = heads.target_ids(greedy_ids(logits)), None
                 else:  # q over the target vocabulary, zero outside the draft vocabulary
                     tok, q = choose(heads.target_logits(logits), sampling, generator)
                 tokens.append(tok)

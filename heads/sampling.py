@@ -26,6 +26,23 @@ def sampling_problems(temperature: float, top_k: int, top_p: float) -> list[tupl
     return problems
 
 
+#: Logit dtypes whose CPU ``argmax`` takes a slow reduction (torch 2.13): upcast first.
+_SLOW_CPU_ARGMAX = (torch.bfloat16, torch.float16)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy tokens: ``logits.argmax(-1)``, ``[..., V]`` -> ``[...]`` long.
+
+    On a CPU, torch's bf16/fp16 ``argmax`` is a slow scalar reduction: 1.24 ms for a 7-token
+    tree verify's ``[7, 49152]`` logits against 0.32 ms in fp32 (one thread, torch 2.13), about
+    1.5 % of a SmolLM2 round. The upcast is exact, so the index is the same, ties included (the
+    first maximal one). Other devices take the logits as they are.
+    """
+    if logits.device.type == "cpu" and logits.dtype in _SLOW_CPU_ARGMAX:
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def eos_set(eos_token_id: int | Collection[int] | None) -> set[int]:
     """The end-of-sequence ids as a set (None -> no EOS: generate to the budget)."""
     if eos_token_id is None:
@@ -132,6 +149,6 @@ def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         ``(tokens [...], probs [..., V] or None)`` -- probs is None for greedy.
     """
     if params.greedy:
-        return logits.argmax(dim=-1), None
+        return greedy_ids(logits), None
     probs = logits_to_probs(logits, params)
     return sample(probs, generator), probs

@@ -72,7 +72,7 @@ from ..train.runinfo import (
     wandb_mode,
 )
 from ..train.staged import write_json_atomic
-from ..train.target_model.kernels import flatten_linear_inputs
+from ..train.target_model.kernels import fast_cpu_linears
 from ..train.target_model.load import TargetError, load_target
 
 
@@ -249,7 +249,7 @@ def build_options(cfg: EvalConfig, target) -> BuildOptions:
         tree_total_tokens=cfg.tree_total_tokens,
         hf_assistant=cfg.hf_assistant,
         load_model=load_model,
-        fast_linears=flatten_linear_inputs,
+        fast_linears=fast_cpu_linears,
         clock=DeviceTimer(device).now,
     )
 

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.device import DeviceTimer, is_cpu, make_generator, resolve_device
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.staged import write_json_atomic
-    from draftsmith.train.target_model.kernels import flatten_linear_inputs
+    from draftsmith.train.target_model.kernels import fast_cpu_linears
     from draftsmith.train.target_model.load import load_target
 
     device = resolve_device(args.device)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         d2t, t2d = maps(n) if n else (None, None)
         heads = MedusaHeads.from_target(target, num_heads=args.heads, d2t=d2t, t2d=t2d)
         heads = heads.to(dtype).eval()
-        flatten_linear_inputs(heads)  # as evaluate runs drafters (the bf16 CPU kernel path)
+        fast_cpu_linears(heads)  # as evaluate runs drafters (the bf16 CPU kernel path)
         x = torch.randn(1, 1, width, generator=gen, device=device).to(dtype)
         return lambda: heads.target_ids(heads(x).argmax(-1)).tolist()
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = EagleConfig.from_target(target.config, 1, draft_vocab_size=n or None)
         d2t, t2d = maps(n) if n else (None, None)
         drafter = build_drafter(target, cfg, d2t, t2d, dtype=dtype, seed=0).eval()
-        flatten_linear_inputs(drafter)
+        fast_cpu_linears(drafter)
         ids = torch.randint(0, vocab, (1, 1), generator=gen, device=device)
         emb = drafter.embed(ids)
         feat = torch.randn(1, 1, width, generator=gen, device=device).to(dtype)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     def draft_lm(target, dtype, n):
         ids = maps(n)[1].nonzero().flatten() if n else None
         model = layer_pruned_copy(target, [0]).to(dtype)
-        flatten_linear_inputs(model)
+        fast_cpu_linears(model)
         draft = DraftLM(model, target_vocab_size=vocab, vocab_ids=ids)
         prompt = torch.randint(0, vocab, (1, args.context), generator=gen, device=device)
         draft.start(prompt, None)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         d2t, t2d = maps(n) if n else (None, None)
         drafter = build_dflash(target, cfg, dtype=dtype, seed=0, d2t=d2t, t2d=t2d).eval()
-        flatten_linear_inputs(drafter)
+        fast_cpu_linears(drafter)
         proposer = DFlashProposer(drafter)
         ids = torch.randint(0, vocab, (1, args.context + 1), generator=gen, device=device)
         feats = {

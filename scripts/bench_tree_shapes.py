@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.device import is_cpu, make_generator, resolve_device
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.staged import write_json_atomic
-    from draftsmith.train.target_model.kernels import flatten_linear_inputs
+    from draftsmith.train.target_model.kernels import fast_cpu_linears
     from draftsmith.train.target_model.load import load_target
 
     device = resolve_device(args.device)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, shape in shapes.items():
         dtype = dtypes[shape["dtype"] or args.draft_dtype]
         drafter = load_drafter(args.drafter, target, dtype=dtype)
-        flatten_linear_inputs(drafter)
+        fast_cpu_linears(drafter)
         if shape["kind"] == "chain":
             proposers[name] = EagleProposer(drafter)
         else:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.train.decoding.speculative import generate
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.staged import write_json_atomic
-    from draftsmith.train.target_model.kernels import flatten_linear_inputs
+    from draftsmith.train.target_model.kernels import fast_cpu_linears
     from draftsmith.train.target_model.load import load_target
 
     info = run_info()
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = TrainerState.read(path).extra.get("train_seconds")
         else:
             seconds = metrics["train_seconds"]
-        flatten_linear_inputs(drafter)
+        fast_cpu_linears(drafter)
         tokens = forwards = 0
         for ids in prompts:
             out = generate(

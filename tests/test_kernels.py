@@ -1,21 +1,23 @@
-"""The flattened-linear patch: same values, faster path, applied once, state dicts unchanged."""
+"""The fast CPU linears (flattened inputs, packed bf16 weights): same values, applied once, state
+dicts unchanged; the GQA switch; greedy ids."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
-from draftsmith.train.target_model.kernels import flatten_linear_inputs
+from draftsmith.train.target_model.kernels import PACKED_ENV, fast_cpu_linears, packing_supported
 
 
 def test_patched_linear_matches_and_keeps_state_dict():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False)).bfloat16()
     ref = copy.deepcopy(model)
-    assert flatten_linear_inputs(model) == 2
-    assert flatten_linear_inputs(model) == 0  # idempotent
+    assert fast_cpu_linears(model) == 2
+    assert fast_cpu_linears(model) == 0  # idempotent
     big = torch.randn(1, 7, 16).bfloat16()
     for x in (big[:, -1:], big, big[0], big.transpose(0, 1)):  # strided views, 2-D, 3-D
         torch.testing.assert_close(model(x), ref(x))
@@ -32,13 +34,13 @@ def test_proposer_objects_are_searched_one_level():
             self.k = 3
 
     p = Proposer()
-    assert flatten_linear_inputs(p, None) == 1
+    assert fast_cpu_linears(p, None) == 1
     assert "forward" in vars(p.drafter)
 
 
 def test_bf16_strided_view_goes_through_a_2d_matmul(monkeypatch):
     lin = nn.Linear(8, 4).bfloat16()
-    flatten_linear_inputs(lin)
+    fast_cpu_linears(lin)
     seen = []
     real = torch.nn.functional.linear
 
@@ -57,9 +59,9 @@ def test_only_cpu_bf16_layers_are_patched():
     (the meta device stands in for a GPU) keep their own forward."""
     fp32 = nn.Linear(8, 4)
     on_meta = nn.Linear(8, 4, device="meta", dtype=torch.bfloat16)
-    assert flatten_linear_inputs(fp32, on_meta) == 0
+    assert fast_cpu_linears(fp32, on_meta) == 0
     assert "forward" not in vars(fp32) and "forward" not in vars(on_meta)
-    assert flatten_linear_inputs(nn.Linear(8, 4, dtype=torch.bfloat16)) == 1
+    assert fast_cpu_linears(nn.Linear(8, 4, dtype=torch.bfloat16)) == 1
 
 
 def test_load_target_patches_only_on_cpu_in_bf16(tiny_target_dir):
@@ -134,3 +136,86 @@ def test_gqa_switch_is_set_while_decoding_on_a_cpu_only(monkeypatch):
     )
     generate(model, [1, 2, 3], None, max_new_tokens=3)
     assert seen == ["1"] * 3 and kernels.FORCE_GQA_ENV not in os.environ
+
+
+def test_greedy_ids_upcasts_half_logits_on_a_cpu_and_keeps_the_index(monkeypatch):
+    from draftsmith.heads import sampling
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 4096).bfloat16()
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie: the first index wins
+    want = logits.float().argmax(-1)
+    assert want[3] == 10
+    seen = []
+    real_argmax = torch.Tensor.argmax
+    monkeypatch.setattr(
+        torch.Tensor,
+        "argmax",
+        lambda self, *a, **kw: seen.append(self.dtype) or real_argmax(self, *a, **kw),
+    )
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        seen.clear()
+        got = sampling.greedy_ids(logits.to(dtype))
+        assert torch.equal(got, want), dtype
+        assert seen == [torch.float32], dtype  # the reduction always runs in fp32 on a CPU
+    tokens, probs = sampling.choose(logits, sampling.SamplingParams())
+    assert probs is None and torch.equal(tokens, want)
+
+
+needs_packing = pytest.mark.skipif(
+    not packing_supported(), reason="bf16 weights are packed only on CPUs with native bf16 math"
+)
+
+
+@needs_packing
+def test_packed_bf16_linear_is_bit_identical_and_follows_weight_changes():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).bfloat16()
+    ref = copy.deepcopy(lin)
+    assert fast_cpu_linears(lin) == 1
+    holder = vars(lin)["_packed_weight"]
+    x = torch.randn(1, 7, 64).bfloat16()
+    with torch.inference_mode():
+        for rows in (x[:, -1:], x, x[0], torch.randn(300, 64).bfloat16()):
+            assert torch.equal(lin(rows), ref(rows))
+    assert holder.packed is not None
+    first = holder.packed
+    with torch.no_grad():  # an optimizer step or load_state_dict changes the weight in place
+        lin.weight.mul_(-1)
+        ref.weight.mul_(-1)
+        assert torch.equal(lin(x), ref(x))
+    assert holder.packed is not first  # repacked
+    lin.weight = nn.Parameter(torch.randn(96, 64).bfloat16())  # a new tensor
+    ref.weight = nn.Parameter(lin.weight.detach().clone())
+    with torch.no_grad():
+        assert torch.equal(lin(x), ref(x))
+
+
+@needs_packing
+def test_packed_linear_leaves_autograd_to_torch_and_copies_pack_their_own():
+    lin = nn.Linear(16, 8, bias=False).bfloat16()
+    fast_cpu_linears(lin)
+    holder = vars(lin)["_packed_weight"]
+    x = torch.randn(3, 16).bfloat16()
+    lin(x).float().sum().backward()  # trainable weight under autograd: torch's own kernel
+    assert lin.weight.grad is not None and holder.packed is None
+    copied = copy.deepcopy(lin)  # an opaque oneDNN tensor cannot be copied: copies start empty
+    with torch.no_grad():
+        lin(x)
+        assert holder.packed is not None
+        assert vars(copied)["_packed_weight"].packed is None
+        copied.weight.zero_()
+        assert torch.equal(copied(x), torch.zeros(3, 8).bfloat16())
+        assert not torch.equal(lin(x), copied(x))
+
+
+def test_packing_is_off_for_fp16_fp32_and_when_disabled(monkeypatch):
+    half = nn.Linear(8, 4).half()
+    fp32 = nn.Linear(8, 4)
+    fast_cpu_linears(half, fp32)
+    assert "_packed_weight" not in vars(half) and "forward" in vars(half)
+    assert "forward" not in vars(fp32)
+    monkeypatch.setenv(PACKED_ENV, "0")
+    assert not packing_supported()
+    off = nn.Linear(8, 4).bfloat16()
+    assert fast_cpu_linears(off) == 1 and "_packed_weight" not in vars(off)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ...heads.sampling import SamplingParams, eos_set, logits_to_probs
+from ...heads.sampling import SamplingParams, eos_set, greedy_ids, logits_to_probs
 
 __all__ = [
     "GeneratedSequence",
@@ -73,7 +73,7 @@ def _pick(
         ``[B]`` long.
     """
     if sampling.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_ids(logits)
     probs = logits_to_probs(logits, sampling)  # [B, V]
     gens = generators or [None] * probs.shape[0]
     # One draw per row from that row's generator (a [1, V] multinomial, exactly as the

@@ -41,7 +41,14 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ...heads.base import Drafter, Features, GenerationOutput, Proposal
-from ...heads.sampling import SamplingParams, choose, eos_set, logits_to_probs, sample
+from ...heads.sampling import (
+    SamplingParams,
+    choose,
+    eos_set,
+    greedy_ids,
+    logits_to_probs,
+    sample,
+)
 from ..device import DeviceTimer
 from ..target_model.kernels import grouped_kv_attention
 from .draft_length import AdaptiveDraftLength
@@ -116,7 +123,7 @@ def _accept_chain(
     draft = proposal.tokens
     n = draft.shape[0]
     if sampling.greedy:
-        choice = logits.argmax(dim=-1)  # [n + 1]
+        choice = greedy_ids(logits)  # [n + 1]
         # Leading run of matches: cumprod turns the first mismatch and all after it into 0.
         accepted = (choice[:n] == draft).to(torch.long).cumprod(0).sum()
         return torch.stack([accepted, choice[accepted]])
@@ -516,7 +523,7 @@ def generate(
 
             if tree:
                 if kids is None:
-                    decision = logits.argmax(dim=-1)  # [n + 1]
+                    decision = greedy_ids(logits)  # [n + 1]
                 else:  # [n + 2]
                     tree_proposal = Proposal(draft, proposal.probs, proposal.parents)
                     # n bounds the depth: the walk stays put once it stops, so extra steps are free.

@@ -175,11 +175,12 @@ def load_target(
         model.to(resolve_device(device))
     model.eval()
     model.requires_grad_(False)
-    # bf16 linears on strided 3-D views take a ~30x slower CPU kernel (train/target_model/kernels.py);
-    # patched only where that path exists (CPU, bf16/fp16), so after the move and the dtype.
-    from .kernels import flatten_linear_inputs
+    # CPU bf16 linears: strided 3-D views take a ~30x slower kernel, and prepacked weights are
+    # ~2x as fast at decoding's few rows (train/target_model/kernels.py); patched only where
+    # those paths exist (CPU, bf16/fp16), so after the move and the dtype.
+    from .kernels import fast_cpu_linears
 
-    flatten_linear_inputs(model)
+    fast_cpu_linears(model)
     return model, tokenizer
 
 
