@@ -191,10 +191,14 @@ TRAIN_DTYPES = {
     "float32": {"target_dtype": "fp32", "mixed_precision": "no"},
 }
 CACHE_TARGET_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
-# The evaluated tree's children per expanded node (EAGLE-2). With depth 2 and 6 nodes: the 30-
-# minute drafter's τ 1.61, 1.23x plain bf16, against the chain's 1.36, 1.16x (32 held-out prompts,
-# bench/issue26_bf16/quickstart30_a81e788/shapes_t0_bf16draft.json).
+# The evaluated tree's children per expanded node (EAGLE-2), and its default size. With packed
+# bf16 weights a 6-token verify costs 0.91x a 1-token forward on the AVX512-BF16 CPU and a
+# 7-token one 1.00x (oneDNN's kernels for a few rows), so 5 nodes (depth 2) is the fastest tree
+# of the 30-minute drafter: τ 1.54, 1.37x plain bf16, against 6 nodes 1.56, 1.29x, 8 nodes 1.61,
+# 1.30x and the k = 2 chain 1.36, 1.27x (32 held-out prompts, bench/issue26_bf16/
+# quickstart30_d43cdec/shapes_packed.json).
 TREE_TOPK = 4
+TREE_NODES = 5
 DRAFT_VOCAB_SIZE = 8192  # the shipped config's: ~97 % of SmolLM2's answer tokens
 MAGPIE_MAX_NEW_TOKENS = 64  # a user message; longer candidates are cut ("unfinished") early
 MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget, not the count
@@ -264,7 +268,7 @@ class QuickstartConfig:
         ge=1,
     )
     tree_nodes: int = cfg_field(
-        6,
+        TREE_NODES,
         help="also evaluate the drafter as an EAGLE-2 tree of this many draft tokens (depth k, "
         f"{TREE_TOPK} children per expanded node) beside the chain, and report the faster "
         "shape; 0: the chain alone. vLLM serves the chain",

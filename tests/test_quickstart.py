@@ -221,7 +221,7 @@ def test_main_job_runs_every_stage(job):
     chain, tree = evaluation["methods"]
     assert chain["method"].startswith("eagle3-chain[") and tree["method"].startswith("eagle3-tree[")
     config = evaluation["config"]
-    assert config["k"] == 2 and config["tree_total_tokens"] == 6 and config["tree_topk"] == 4
+    assert config["k"] == 2 and config["tree_total_tokens"] == 5 and config["tree_topk"] == 4
     assert config["dtype"] == "float32" and config["split"] == "auto"
     for res in (chain, tree):
         assert res["acceptance_length"] >= 1.0 and res["num_prompts"] == 2
@@ -233,7 +233,7 @@ def test_main_job_runs_every_stage(job):
     summary = state(out)["summary"]
     assert summary["acceptance_length"] == reported["acceptance_length"]
     assert summary["speedup_vs_fastest_plain"] == fastest
-    labels = ["chain, k = 2", "tree of 6 nodes, depth 2"]
+    labels = ["chain, k = 2", "tree of 5 nodes, depth 2"]
     assert [s["shape"] for s in summary["shapes"]] == labels
     assert summary["shape"] == labels[reported is tree]
     assert f"{summary['shape']}: τ (tokens per target forward): " in job.printed
@@ -457,7 +457,7 @@ def test_default_commands_use_the_shipped_fast_settings(tmp_path, monkeypatch):
         value(evaluate, "--drafter") == eagle
         and f"eagle-tree={tmp_path / 'eagle3/drafter'}" in evaluate
     )
-    assert value(evaluate, "--tree-topk") == "4" and value(evaluate, "--tree-total-tokens") == "6"
+    assert value(evaluate, "--tree-topk") == "4" and value(evaluate, "--tree-total-tokens") == "5"
     assert value(evaluate, "--limit") == str(qs.plan.eval_prompts) and "--prompts" not in evaluate
     assert "--no-reference-plain" not in evaluate
 

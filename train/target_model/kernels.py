@@ -97,12 +97,16 @@ class _PackedWeight:
         return (_PackedWeight, ())
 
 
+_PLAIN_TENSORS = (nn.Parameter, torch.Tensor)
+
+
 def _fast_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x
     packed: _PackedWeight | None = self.__dict__.get("_packed_weight")
     weight = self.weight
     if (
         packed is not None
+        and type(weight) in _PLAIN_TENSORS  # not a sharded (DTensor) or otherwise wrapped one
         and weight.device.type == "cpu"
         and x.dtype == weight.dtype == torch.bfloat16
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
