@@ -15,7 +15,9 @@ Two fixes for the ``nn.Linear`` layers of the target and of the drafters, applie
 * **Prepacked bf16 weights.** ``F.linear`` in bf16 reorders the weight for oneDNN at every call.
   Reordered once (oneDNN's blocked layout, the copy PyTorch's own CPU inference compiler makes
   when it freezes a model) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the same
-  products are bit-identical and, at the few rows of decoding, about twice as fast: SmolLM2's
+  products are the same (bit-identical in every SmolLM2 shape measured; oneDNN may round one
+  differently by a bf16 ulp: seen in a tiny test model's 64 -> 32 projection) and, at the few
+  rows of decoding, about twice as fast: SmolLM2's
   lm_head 6.5 -> 3.5 ms for one row and 8.1 -> 4.1 ms for eight, an MLP projection 84 -> 44 us
   (``scripts/bench_packed_linear.py``; at 64 rows the gain is ~8 %, at 300 none). Plain bf16
   decoding of SmolLM2 went from 18.7 to 25.5 tokens/s. The packed copy is made at the first
