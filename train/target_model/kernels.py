@@ -14,18 +14,19 @@ Two fixes for the ``nn.Linear`` layers of the target and of the drafters, applie
   takes the fast path.
 * **Prepacked bf16 weights.** ``F.linear`` in bf16 reorders the weight for oneDNN at every call.
   Reordered once (oneDNN's blocked layout, the copy PyTorch's own CPU inference compiler makes
-  when it freezes a model) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the same
+  when it freezes a model) and multiplied with ``torch.ops.mkldnn._linear_pointwise``, the
   products are the same (bit-identical in every SmolLM2 shape measured; oneDNN may round one
-  differently by a bf16 ulp: seen in a tiny test model's 64 -> 32 projection) and, at the few
-  rows of decoding, about twice as fast: SmolLM2's
-  lm_head 6.5 -> 3.5 ms for one row and 8.1 -> 4.1 ms for eight, an MLP projection 84 -> 44 us
-  (``scripts/bench_packed_linear.py``; at 64 rows the gain is ~8 %, at 300 none). Plain bf16
-  decoding of SmolLM2 went from 18.7 to 25.5 tokens/s. The packed copy is made at the first
-  call that needs no gradient, kept beside the layer (not in its state dict; copies of a module
-  start without one) and remade when the weight changes (its storage or version); it costs one
-  more copy of the weights in memory. Used only where it was measured: bf16 weights on a CPU
-  with native bf16 instructions (AVX512-BF16 or AMX), outside autograd. Set
-  ``DRAFTSMITH_PACKED_LINEARS=0`` to turn it off (benchmarks compare the two).
+  differently by a bf16 ulp, as seen in a tiny test model's 64 -> 32 projection) and, at the
+  few rows of decoding, 1.4-2.5x as fast: SmolLM2's lm_head 6.4 -> 3.8 ms for one row and
+  8.2 -> 4.0 ms for eight, its MLP down projection 84 -> 44 us for one row; at 64 rows the gain
+  is ~7 %, at 300 ~3 % (``scripts/bench_packed_linear.py``, ``bench/packed_linear_cpu.json``).
+  Plain bf16 decoding of SmolLM2 went from 18.5 to 24.4 tokens/s, with the same tokens. The
+  packed copy is made at the first call that needs no gradient, kept beside the layer (not in
+  its state dict; copies of a module start without one) and remade when the weight changes
+  (its storage or version); it costs one more copy of the weights in memory. Used only where
+  it was measured: bf16 weights on a CPU with native bf16 instructions (AVX512-BF16 or AMX),
+  outside autograd, on plain (not sharded) tensors. Set ``DRAFTSMITH_PACKED_LINEARS=0`` to turn
+  it off (benchmarks compare the two).
 
 Where it applies (``scripts/bench_forward.py`` measures the first): only CPU layers with bf16 or
 fp16 weights. fp32 showed no measurable difference, and on a GPU neither path exists (cuBLAS
