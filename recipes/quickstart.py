@@ -166,11 +166,13 @@ OWNED = (
 
 # The shipped EAGLE-3 recipe settings (recipes/configs/eagle3_smollm2.yaml): the ones that train
 # fastest on this CPU (bench/train_throughput.json) and learn in a short budget. Its target_dtype
-# and mixed_precision (bf16, bf16) follow the job's dtype: TRAIN_DTYPES.
+# and mixed_precision (bf16, bf16) follow the job's dtype: TRAIN_DTYPES. Its TTT unroll is the
+# job's --k (QuickstartConfig.k), not the config's 3: the job drafts k positions deep, and a
+# deeper unroll spends a third more of each step on a position it never drafts (2 against 3
+# steps at equal minutes: docs/performance.md, "TTT steps as deep as the drafts").
 TRAIN_SETTINGS = {
     "version": 3,
     "hidden_states": "offline",
-    "ttt_steps": 3,
     "ttt_decay": 0.8,
     # EAGLE-3.1: evaluated τ 1.49 against 1.44 at equal steps (docs/performance.md).
     "fc_norm": True,
@@ -262,9 +264,10 @@ class QuickstartConfig:
     )
     k: int = cfg_field(
         2,
-        help="draft tokens per step of the chain (evaluated and advertised in the export) and "
-        "the tree's depth: a short-trained EAGLE-3 rarely gets position 3 accepted (α .03 on the "
-        "30-minute drafter), and each position costs a draft step",
+        help="draft tokens per step of the chain (evaluated and advertised in the export), the "
+        "tree's depth, and the training's TTT unroll: a short-trained EAGLE-3 rarely gets "
+        "position 3 accepted (α .03 on the 30-minute drafter), and each position costs a draft "
+        "step",
         ge=1,
     )
     tree_nodes: int = cfg_field(
@@ -553,7 +556,7 @@ class Quickstart(StageJob):
                     eval_dtype=_torch_dtype(dtype),
                     compare_eval_dtypes=auto,
                     seq_tokens=TRAIN_SETTINGS["max_length"],
-                    ttt_steps=TRAIN_SETTINGS["ttt_steps"],
+                    ttt_steps=cfg.k,
                     draft_vocab_size=DRAFT_VOCAB_SIZE,
                 )
                 self._say(_probe_line(probe), "dim")
@@ -899,7 +902,7 @@ class Quickstart(StageJob):
         val = min(32, max(2, samples // 10))
         vocab = read_json((self.target_path or Path()) / "config.json").get("vocab_size")
         draft_vocab = min(DRAFT_VOCAB_SIZE, vocab or DRAFT_VOCAB_SIZE)
-        settings = {**TRAIN_SETTINGS, **TRAIN_DTYPES[plan.dtype]}
+        settings = {**TRAIN_SETTINGS, "ttt_steps": cfg.k, **TRAIN_DTYPES[plan.dtype]}
         # Validation like the evaluation: the answers to the validation prompts choose best/;
         # the val_samples held-back training records are validated too (val_split/*).
         val_records = count_lines(self.out / VAL_ANSWERS)

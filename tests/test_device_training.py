@@ -116,7 +116,8 @@ def _before(final_hidden, head, t2d, rows):
     full_a = a.new_full((b, t), -1)
     full_p[rows] = p[0]
     full_a[rows] = a[0]
-    return full_p, full_a
+    # A greedy token outside the draft vocab is -1: no draft can match it.
+    return full_p, torch.where(t2d[full_a.clamp_min(0)], full_a, -1)
 
 
 def test_target_distribution_gathers_the_draft_vocab_without_reading_it():

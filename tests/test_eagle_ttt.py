@@ -13,6 +13,7 @@ from draftsmith.train.objectives.eagle_ttt import (
     eagle1_loss,
     eagle3_ttt_loss,
     shift_left,
+    target_distribution,
     ttt_attention_mask,
 )
 
@@ -232,6 +233,33 @@ def test_eagle3_labels_at_supervised_positions_only_change_nothing(tgt, data):
         torch.testing.assert_close(ma[key], mb[key])
     for a, b in zip(ga, gb, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_target_distribution_over_a_draft_vocab_matches_the_full_head(dtype):
+    """The draft vocabulary's labels are the full head's logits at those ids, renormalised;
+    the greedy token is the full vocab's where it lies inside the draft vocab and -1 where a
+    token outside scores higher (no draft can match it)."""
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 64, bias=False).to(dtype)
+    head.weight.data = torch.randn(64, 16, generator=gen).to(dtype)
+    hidden = torch.randn(2, 9, 16, generator=gen).to(dtype)
+    ids = torch.arange(0, 64, 2)  # the even ids, ascending (draft order)
+    probs, arg = target_distribution(hidden, head, vocab_ids=ids)
+    logits = head(hidden).float()
+    torch.testing.assert_close(probs, torch.softmax(logits[..., ids], dim=-1))
+    full = logits.argmax(-1)
+    inside = full % 2 == 0
+    assert inside.any() and (~inside).any()  # the seed gives both cases
+    assert torch.equal(arg[inside], full[inside])
+    assert (arg[~inside] == -1).all()
+    # Selected rows only: the same values there, nothing elsewhere.
+    rows = torch.zeros(2, 9, dtype=torch.bool)
+    rows[:, 3:] = True
+    p_rows, a_rows = target_distribution(hidden, head, rows=rows, vocab_ids=ids)
+    torch.testing.assert_close(p_rows[rows], probs[rows])
+    assert torch.equal(a_rows[rows], arg[rows])
+    assert (p_rows[~rows] == 0).all() and (a_rows[~rows] == -1).all()
 
 
 def _metrics(tgt, drafter, data) -> dict:

@@ -200,7 +200,7 @@ def test_main_job_runs_every_stage(job):
         assert (out / path).is_file(), path
     metrics = json.loads((out / "eagle3/training_metrics.json").read_text())
     assert metrics["steps"] == 4 and metrics["config"]["hidden_states"] == "offline"
-    assert metrics["config"]["ttt_steps"] == 3
+    assert metrics["config"]["ttt_steps"] == 2  # the TTT unroll is the job's k
     # The train stage validates on the answers to the validation prompts (they choose best/) and
     # on held-back training records (val_split/*, and the gap between the two).
     assert value(shlex.split(st["stages"]["train"]["command"]), "--val-data") == str(
@@ -352,7 +352,10 @@ def test_changed_setting_reruns_that_stage_and_later_ones(job):
     code, printed = run_job([*job.argv, "--k", "3", "--tree-nodes", "0"])
     assert code == 0, printed
     runs = {name: s["runs"] for name, s in state(job.out)["stages"].items()}
-    assert {n for n in STAGES if runs[n] != before[n]} == {"evaluate", "export"}
+    # k is the training's TTT unroll too: training reruns, the data stages do not.
+    assert {n for n in STAGES if runs[n] != before[n]} == {"train", "evaluate", "export"}
+    metrics = json.loads((job.out / "eagle3/training_metrics.json").read_text())
+    assert metrics["config"]["ttt_steps"] == 3
     # The chain alone: its result is the file, and the job reports it.
     res = json.loads((job.out / "eval.json").read_text())
     assert res["k"] == 3 and "methods" not in res
@@ -438,7 +441,7 @@ def test_default_commands_use_the_shipped_fast_settings(tmp_path, monkeypatch):
         ("--hidden-states", "offline"),
         ("--target-dtype", "bf16"),
         ("--mixed-precision", "bf16"),
-        ("--ttt-steps", "3"),
+        ("--ttt-steps", "2"),  # --k's default: the unroll drafts as deep as the job does
         ("--lr", "0.0006"),
         ("--draft-vocab-size", "8192"),
     ):

@@ -118,7 +118,11 @@ class Rates:
     magpie_tokens_per_prompt: float = 100.0  # 83 and 127 measured, at the rate above
     cache_tokens_per_s: float = 755.0
     train_tokens_per_s: float = 520.0
-    eval_tokens_per_s: float = 14.0
+    # Recalibrated 2026-12-05 the same way from the two 30-minute jobs of that day (packed bf16
+    # weights, the 5-node tree as the fourth stream): the stage ran at 1.26-1.27x the probe's
+    # plain decoding (the speculative streams outpace it), not 0.875x; at 14 the evaluation
+    # was planned ~300 s where it took ~215, time the job then left unused.
+    eval_tokens_per_s: float = 20.0
     prompt_tokens: float = 80.0
     answer_share: float = 0.9
     train_overhead_s: float = 30.0

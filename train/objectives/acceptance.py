@@ -69,7 +69,11 @@ def draft_loss(
     p = p.float()
     log_q = torch.log_softmax(logits.float(), dim=-1)
     ce = _masked_mean(-(p * log_q).sum(-1), mask)
-    alpha = torch.minimum(p, log_q.exp()).sum(-1)  # [B, T]
+    if kind == "kl":
+        with torch.no_grad():  # a metric only: no graph kept for it until the backward
+            alpha = torch.minimum(p, log_q.detach().exp()).sum(-1)  # [B, T]
+    else:
+        alpha = torch.minimum(p, log_q.exp()).sum(-1)
     mean_alpha = _masked_mean(alpha, mask)
     if kind == "kl":
         loss = ce
