@@ -117,7 +117,11 @@ class Rates:
     generate_tokens_per_s: float = 185.0
     magpie_tokens_per_prompt: float = 100.0  # 83 and 127 measured, at the rate above
     cache_tokens_per_s: float = 755.0
-    train_tokens_per_s: float = 520.0
+    # Recalibrated 2026-12-05 the same way: the two 30-minute jobs at f9bb25e and d260927 ran
+    # 1.39x and 1.40x the steps their plan fitted in the time (stage ÷ probe × reference:
+    # 721 and 726), as stop 45's two jobs had (644 and 797, 3 TTT steps); at 520 each plan
+    # bought data for 3 epochs and the fitted schedule then trained ~5 over it.
+    train_tokens_per_s: float = 720.0
     # Recalibrated 2026-12-05 the same way from the two 30-minute jobs of that day (packed bf16
     # weights, the 5-node tree as the fourth stream): the stage ran at 1.26-1.27x the probe's
     # plain decoding (the speculative streams outpace it), not 0.875x; at 14 the evaluation
