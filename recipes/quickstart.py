@@ -6,18 +6,19 @@ Launch::
     draftsmith quickstart --budget-minutes 120 --prompts my_prompts.jsonl
     draftsmith quickstart --target path/to/hf_model_dir --out-dir runs/qs_mine
 
-Nine stages, each one existing command called through the CLI dispatch (so the command a stage
+Ten stages, each one existing command called through the CLI dispatch (so the command a stage
 prints is exactly what reruns it alone), each writing its own path under ``--out-dir``::
 
-    [1/9] prepare target      draftsmith prepare-target              (cached target directory)
-    [2/9] training prompts    draftsmith data prompts                data/prompts.jsonl
-    [3/9] self-distil         draftsmith data distill                data/answers.jsonl
-    [4/9] validation answers  draftsmith data distill                data/val_answers.jsonl
-    [5/9] tokenize            draftsmith data tokenize               data/tokenized/
-    [6/9] hidden states       draftsmith data cache                  data/cache/
-    [7/9] train EAGLE-3       draftsmith train eagle                 eagle3/ (best/, drafter/)
-    [8/9] evaluate            draftsmith evaluate                    eval.json
-    [9/9] export              draftsmith export --format speculators export/
+    [1/10] prepare target      draftsmith prepare-target              (cached target directory)
+    [2/10] training prompts    draftsmith data prompts                data/prompts.jsonl
+    [3/10] self-distil         draftsmith data distill                data/answers.jsonl
+    [4/10] sampled answers     draftsmith data distill --samples N    data/sampled_answers.jsonl
+    [5/10] validation answers  draftsmith data distill                data/val_answers.jsonl
+    [6/10] tokenize            draftsmith data tokenize               data/tokenized/
+    [7/10] hidden states       draftsmith data cache                  data/cache/
+    [8/10] train EAGLE-3       draftsmith train eagle                 eagle3/ (best/, drafter/)
+    [9/10] evaluate            draftsmith evaluate                    eval.json
+    [10/10] export             draftsmith export --format speculators export/
 
 then the summary: the results table, ``plots/``, ``summary.md`` (everything printed, plus the
 ``vllm serve`` command line) and ``quickstart.json`` (stage status, wall time per stage, the
@@ -25,7 +26,11 @@ plan, command, versions, machine).
 
 Prompts: the training prompts are an optional ``--prompts`` file's, then the ones the target
 writes (Magpie, ``train/datagen/magpie.py``); the shipped held-out prompts are excluded from
-training and are what the evaluation decodes.
+training and are what the evaluation decodes. Each prompt is answered greedily; when the budget
+buys more records than your prompts, it first buys up to ``--sampled-answers`` more answers to each
+of yours, sampled at T = 0.7 (stage 4; they cost no prompt writing, and they are answers to the
+prompts you serve), and then prompts the target writes. Without ``--prompts`` stage 4 has nothing
+to do.
 
 **Validation like the evaluation**: the project's 32 shipped ``train`` prompts (the same source
 and kind as the held-out ones) and a slice of ``--prompts`` (``--val-prompts``, by default a tenth
@@ -137,6 +142,7 @@ STATE_VERSION = 1
 # Paths under --out-dir, one per stage (and what --overwrite removes; nothing else is touched).
 PROMPTS = "data/prompts.jsonl"
 ANSWERS = "data/answers.jsonl"
+SAMPLED_ANSWERS = "data/sampled_answers.jsonl"  # more answers to your prompts, sampled
 VAL_PROMPTS = "data/val_prompts.jsonl"  # written by the job itself (the validation set)
 VAL_ANSWERS = "data/val_answers.jsonl"
 TOKENIZED = "data/tokenized"
@@ -150,7 +156,7 @@ PLOTS = "plots"
 OWNED = (
     *(
         f"{p}{s}"
-        for p in (PROMPTS, ANSWERS, VAL_ANSWERS)
+        for p in (PROMPTS, ANSWERS, SAMPLED_ANSWERS, VAL_ANSWERS)
         for s in ("", ".meta", ".lock", ".lock.pid")
     ),
     VAL_PROMPTS,
@@ -209,6 +215,11 @@ MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget,
 BATCH_SIZE = 64
 SHARD_MB = 64  # small cache shards: a killed cache build loses at most one shard's work
 MAGPIE_LINE = '"source": "magpie"'  # how a prompt the target wrote is marked in PROMPTS
+#: The temperature of the sampled answers to your prompts (stage 4): the serving temperature the
+#: project measures sampled decoding at.
+SAMPLE_TEMPERATURE = 0.7
+#: --sampled-answers' default.
+SAMPLED_ANSWERS_DEFAULT = 2
 #: Your prompts held out for validation by default: a tenth of them, at most this many (as many
 #: as the shipped prompts validated on; a few dozen answers cost about a minute on the CPU).
 USER_VAL_MAX = 32
@@ -255,6 +266,13 @@ class QuickstartConfig:
         "validation prompts are answered apart); None: from the budget (all of them when "
         "--num-prompts is given)",
         ge=1,
+    )
+    sampled_answers: int = cfg_field(
+        SAMPLED_ANSWERS_DEFAULT,
+        help="besides its greedy answer, at most this many answers sampled at T = "
+        f"{SAMPLE_TEMPERATURE} to each of your --prompts, bought before prompts the target "
+        "writes when the budget leaves time (not with --records or --num-prompts); 0: none",
+        ge=0,
     )
     eval_prompts: int | None = cfg_field(
         None,
@@ -436,6 +454,7 @@ class Quickstart(StageJob):
                 if not self._run_stages(data, start=2):
                     return 130
             builders = [
+                self._sampled,
                 self._validation,
                 self._tokenize,
                 self._cache,
@@ -603,6 +622,7 @@ class Quickstart(StageJob):
                 self.plan,
                 magpie=grown["magpie_prompts"],
                 records=grown["records"],
+                sampled=grown.get("sampled_answers", 0),
                 estimates={**self.plan.estimates, **grown["estimated_seconds"]},
             )
         self.state["device"] = device_facts(device)
@@ -636,16 +656,19 @@ class Quickstart(StageJob):
             "from": _sizes(self.state["plan"]),
             "magpie_prompts": grown.magpie,
             "records": grown.records,
+            "sampled_answers": grown.sampled,
             "generation_factor": round(factor, 3),
             "spent_seconds": round(spent, 1),
             "estimated_seconds": {k: round(v, 1) for k, v in grown.estimates.items()},
         }
         self._save_state()
         before = self.plan.records or self.plan.seeds + self.plan.magpie
+        before += self.plan.sampled
+        after = grown.records + grown.sampled
         self._say(
             f"the prompts and answers came out {factor:.1f}x as fast as planned: "
-            f"{grown.records - before} more ({grown.records} records, training "
-            f"~{minutes(grown.estimates['train'])}), so the time saved buys distinct records "
+            f"{after - before} more ({after} records, training "
+            f"~{minutes(grown.estimates['train'])}), so the time saved buys new records "
             f"rather than more epochs over the same {before}",
             "yellow",
         )
@@ -799,6 +822,73 @@ class Quickstart(StageJob):
             else self.rates.distill_s(answered, cfg.max_new_tokens),
         )
 
+    def _sampled(self) -> Stage:
+        """More answers to your prompts, sampled (``plan.sampled`` of them): your prompts come
+        first in ``data/prompts.jsonl``, so ``--limit`` takes them, and ``--samples`` passes
+        over them, cut at ``--answers``, make the planned count (ids ``#s1``, ``#s2``, ...)."""
+        plan, cfg = self.plan, self.cfg
+        output = self.out / SAMPLED_ANSWERS
+        prompts = self.out / PROMPTS
+        yours = count_lines(prompts) - count_lines(prompts, MAGPIE_LINE)
+        sampled = min(plan.sampled, cfg.sampled_answers * yours)
+        passes = max(1, math.ceil(sampled / max(yours, 1)))
+        strict = {
+            "max_new_tokens": cfg.max_new_tokens,
+            "dtype": plan.dtype,
+            "target": cfg.target,
+            "temperature": SAMPLE_TEMPERATURE,
+            "seed": cfg.seed + 1,
+        }
+        argv = [
+            "data",
+            "distill",
+            *flags(
+                input=prompts,
+                output=output,
+                limit=yours,
+                samples=passes,
+                answers=sampled,
+                temperature=SAMPLE_TEMPERATURE,
+                # Another seed than the training's: these generators are the answers' own.
+                seed=cfg.seed + 1,
+                max_new_tokens=cfg.max_new_tokens,
+                batch_size=self.batch_size,
+                dtype=plan.dtype,
+                **self._common(),
+                **self._runtime(),
+            ),
+        ]
+        if sampled:
+            skip = None
+        elif cfg.prompts is None:
+            skip = "none: there is no --prompts to answer again"
+        elif not cfg.sampled_answers:
+            skip = "none (--sampled-answers 0)"
+        else:
+            skip = "none: the budget buys no more records than your prompts"
+        return Stage(
+            name="sampled",
+            title=f"sample {sampled} more answers to your {yours} prompts (T = "
+            f"{SAMPLE_TEMPERATURE})"
+            if sampled
+            else "sampled answers",
+            argv=argv,
+            output=output,
+            complete=lambda: output.is_file() and read_meta(output).get("complete") is True,
+            identity={**strict, "answers": sampled, "samples": passes},
+            strict=strict,
+            restart=("--overwrite",),
+            estimate_s=plan.estimates.get("sampled", 0.0),
+            skip=skip,
+        )
+
+    def _answer_files(self) -> list[Path]:
+        """What is trained on: the greedy answers, and the sampled ones when there are any."""
+        files = [self.out / ANSWERS]
+        if self.plan.sampled and (self.out / SAMPLED_ANSWERS).is_file():
+            files.append(self.out / SAMPLED_ANSWERS)
+        return files
+
     def _validation(self) -> Stage:
         """The target's answers to the validation prompts: what training validates on.
 
@@ -844,7 +934,7 @@ class Quickstart(StageJob):
             "data",
             "tokenize",
             *flags(
-                input=self.out / ANSWERS,
+                input=self._answer_files(),
                 output=output,
                 max_length=TRAIN_SETTINGS["max_length"],
                 **self._common(),
@@ -853,7 +943,7 @@ class Quickstart(StageJob):
         markers = ("dataset_info.json", "state.json", "dataset_dict.json")
         return Stage(
             name="tokenize",
-            title=f"tokenize {count_lines(self.out / ANSWERS)} conversations",
+            title=f"tokenize {sum(count_lines(f) for f in self._answer_files())} conversations",
             argv=argv,
             output=output,
             complete=lambda: any((output / m).is_file() for m in markers),
@@ -989,7 +1079,8 @@ class Quickstart(StageJob):
         grown = self.state["plan"].get("grown")
         schedule = self.state["stages"].get("train", {}).get("schedule") or {}
         return {
-            "records": count_lines(self.out / ANSWERS),
+            "records": sum(count_lines(f) for f in self._answer_files()),
+            "sampled_answers": count_lines(self.out / SAMPLED_ANSWERS) if self.plan.sampled else 0,
             "epochs": None if self.cfg.train_steps else schedule.get("epochs"),
             "grown": {
                 "from": grown["from"]["records"]

@@ -61,6 +61,8 @@ def _output(cfg: object) -> Path:
 def _input(cfg: object) -> Path | None:
     """What a data command reads (``--input`` or ``--data``)."""
     src = getattr(cfg, "input", None) or getattr(cfg, "data", None)
+    if isinstance(src, list) and len(src) == 1:  # tokenize reads one file or several
+        src = src[0]
     return Path(src) if isinstance(src, (str, Path)) else None
 
 

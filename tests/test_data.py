@@ -408,3 +408,15 @@ def test_tokenize_cli_saves_masked_dataset(tmp_path, tiny_target_dir, capsys):
         == 2
     )
     assert "bad.jsonl:1" in capsys.readouterr().err
+    # Several inputs, read in order; an id used in two of them is named.
+    more = tmp_path / "more.jsonl"
+    more.write_text(
+        '{"id": "3#s1", "messages": [{"role": "user", "content": "hi"},'
+        ' {"role": "assistant", "content": "hey"}]}\n'
+    )
+    both = ["--input", str(src), str(more), "--target", str(tiny_target_dir)]
+    assert main_tokenize([*both, "--output", str(tmp_path / "t3")]) == 0
+    assert datasets.load_from_disk(str(tmp_path / "t3"))["id"] == ["1", "2", "3#s1"]
+    again = ["--input", str(src), str(src), "--target", str(tiny_target_dir)]
+    assert main_tokenize([*again, "--output", str(tmp_path / "t4")]) == 2
+    assert "id '1' was already used by" in capsys.readouterr().err

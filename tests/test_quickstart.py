@@ -33,6 +33,7 @@ STAGES = [
     "prepare",
     "prompts",
     "distill",
+    "sampled",
     "validation",
     "tokenize",
     "cache",
@@ -40,6 +41,8 @@ STAGES = [
     "evaluate",
     "export",
 ]
+#: The stages the module job runs: with --num-prompts its sampled answers have nothing to do.
+RAN = [s for s in STAGES if s != "sampled"]
 #: The module job's --prompts file: 12 prompts, so the default slice (a tenth) holds out one.
 MINE = [
     "Name three colours of the sea at dusk.",
@@ -137,10 +140,13 @@ def test_main_job_runs_every_stage(job):
     out = job.out
     st = state(out)
     assert list(st["stages"]) == STAGES
-    assert all(s["status"] == "done" and s["runs"] == 1 for s in st["stages"].values())
-    assert all(
-        s["seconds"] >= 0 and s["command"].startswith("draftsmith ") for s in st["stages"].values()
-    )
+    # --num-prompts fixes the sizes: no sampled answers, so stage 4 is marked done unrun.
+    assert st["stages"]["sampled"]["skipped"].startswith("none")
+    assert "[4/10] sampled answers: none" in job.printed
+    ran = {n: s for n, s in st["stages"].items() if not s.get("skipped")}
+    assert all(s["status"] == "done" for s in st["stages"].values())
+    assert all(s["runs"] == 1 for s in ran.values())
+    assert all(s["seconds"] >= 0 and s["command"].startswith("draftsmith ") for s in ran.values())
     assert st["versions"]["torch"] and st["machine"]["cpu_count"] >= 1 and st["command"]
     # One device for the job: every stage that runs a model was given it, and the plan was sized
     # by rates the probe measured there on the target (the tiny one: far faster than SmolLM2).
@@ -261,11 +267,11 @@ def test_main_job_runs_every_stage(job):
         "model": str((out / "export").resolve()),
     }
     for word in (
-        "[1/9] prepare target",
-        "[3/9] self-distil 14 prompts",
-        "[4/9] answer 33 validation prompts",
+        "[1/10] prepare target",
+        "[3/10] self-distil 14 prompts",
+        "[5/10] answer 33 validation prompts",
         "validated on 33 held-out prompts",
-        "[9/9] export",
+        "[10/10] export",
         "eval.json",
         "evaluation.png",
         "τ",
@@ -304,11 +310,13 @@ def test_rerun_skips_finished_stages(job):
     before = state(job.out)["plan"]
     code, printed = run_job(job.argv)
     assert code == 0
-    assert printed.count("done before, skipped") == len(STAGES)
+    # Every stage but the sampled answers, which has nothing to do and says so again.
+    assert printed.count("done before, skipped") == len(STAGES) - 1
+    assert "sampled answers: none" in printed
     st = state(job.out)
     # The job's probe is kept: the same command makes the same plan.
     assert st["plan"] == before and "earlier probe, kept" in printed
-    assert all(s["runs"] == 1 for s in st["stages"].values())
+    assert all(s.get("skipped") or s["runs"] == 1 for s in st["stages"].values())
     assert len(st["invocations"]) >= 2
     assert "vllm serve" in printed  # the summary again
 
@@ -333,7 +341,7 @@ def test_stage_cut_short_resumes(job):
     assert answers.read_bytes() == whole  # resumed: the same file as one uninterrupted run
     after = state(out)["stages"]
     assert after["distill"]["runs"] == 2
-    assert all(after[s]["runs"] == 1 for s in STAGES if s != "distill")
+    assert all(after[s]["runs"] == 1 for s in RAN if s != "distill")
 
     # Training killed between its last checkpoint and its final save: the recipe resumes.
     import shutil
@@ -348,12 +356,12 @@ def test_stage_cut_short_resumes(job):
 
 
 def test_changed_setting_reruns_that_stage_and_later_ones(job):
-    before = {name: s["runs"] for name, s in state(job.out)["stages"].items()}
+    before = {name: s.get("runs", 0) for name, s in state(job.out)["stages"].items()}
     code, printed = run_job([*job.argv, "--k", "3", "--tree-nodes", "0"])
     assert code == 0, printed
-    runs = {name: s["runs"] for name, s in state(job.out)["stages"].items()}
+    runs = {name: s.get("runs", 0) for name, s in state(job.out)["stages"].items()}
     # k is the training's TTT unroll too: training reruns, the data stages do not.
-    assert {n for n in STAGES if runs[n] != before[n]} == {"train", "evaluate", "export"}
+    assert {n for n in RAN if runs[n] != before[n]} == {"train", "evaluate", "export"}
     metrics = json.loads((job.out / "eagle3/training_metrics.json").read_text())
     assert metrics["config"]["ttt_steps"] == 3
     # The chain alone: its result is the file, and the job reports it.
@@ -371,7 +379,7 @@ def test_failing_stage_names_stage_and_command(tmp_path, capsys):
     code = cli(["quickstart", "--target", str(missing), "--out-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 1
-    assert "stage [1/9] prepare target" in err
+    assert "stage [1/10] prepare target" in err
     assert f"draftsmith prepare-target {missing}" in err
     assert state(tmp_path / "out")["stages"]["prepare"]["status"] == "failed"
 
@@ -696,6 +704,8 @@ def test_more_user_prompts_than_the_budget_buys_are_cut_to_what_fits():
     # A file that fits is answered whole, Magpie filling the rest.
     small = make_plan(cfg, seeds=50, validation=32)
     assert small.records == 50 + small.magpie and small.magpie > 0
+    # ... after the answers it samples to them, which cost no prompt writing.
+    assert small.sampled == cfg.sampled_answers * 50
 
     data = plan.estimates["prompts"] + plan.estimates["distill"]
     spent = plan.estimates["prepare"] + data / 2.0
@@ -706,8 +716,14 @@ def test_more_user_prompts_than_the_budget_buys_are_cut_to_what_fits():
     # A file nearly used up: its last prompts, then Magpie's.
     near = make_plan(cfg, seeds=plan.records + 10, validation=32)
     near = dataclasses.replace(near, records=plan.records, magpie=0)
-    both = grow_plan(near, cfg, RATES, spent_s=spent, factor=2.0)
+    # Without sampled answers, Magpie's prompts come next.
+    plain = dataclasses.replace(cfg, sampled_answers=0)
+    both = grow_plan(near, plain, RATES, spent_s=spent, factor=2.0)
     assert both.records > plan.records + 10 and both.magpie == both.records - (plan.records + 10)
+    # With them (the default), answers sampled to the user's prompts come before Magpie's.
+    sampled = grow_plan(near, cfg, RATES, spent_s=spent, factor=2.0)
+    assert sampled.records == plan.records + 10 and sampled.magpie == 0
+    assert 0 < sampled.sampled <= cfg.sampled_answers * (plan.records + 10)
 
 
 def test_the_generation_factor_reads_whole_stage_runs_only():
@@ -904,11 +920,11 @@ def test_more_prompts_extend_the_data_and_retrain(job):
     answers_before = (out / "data/answers.jsonl").read_bytes()
     argv = list(job.argv)
     argv[argv.index("--num-prompts") + 1] = "5"
-    before = {name: s["runs"] for name, s in state(out)["stages"].items()}
+    before = {name: s.get("runs", 0) for name, s in state(out)["stages"].items()}
     code, printed = run_job(argv)
     assert code == 0, printed
-    runs = {name: s["runs"] for name, s in state(out)["stages"].items()}
-    assert {n for n in STAGES if runs[n] != before[n]} == set(STAGES[1:]) - {"validation"}
+    runs = {name: s.get("runs", 0) for name, s in state(out)["stages"].items()}
+    assert {n for n in RAN if runs[n] != before[n]} == set(RAN[1:]) - {"validation"}
     assert (out / "data/prompts.jsonl").read_bytes().startswith(prompts_before)
     assert (out / "data/answers.jsonl").read_bytes().startswith(answers_before)
     assert len((out / "data/answers.jsonl").read_text().splitlines()) == 16
@@ -934,8 +950,8 @@ def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monke
     assert code == 0, printed
     assert "came out" in printed and "more (" in printed
     assert "data: 16 records made; grown from the plan's 14" in printed
-    runs = {name: s["runs"] for name, s in state(out)["stages"].items()}
-    assert runs == {**dict.fromkeys(STAGES, 1), "prompts": 2, "distill": 2}
+    runs = {name: s.get("runs", 0) for name, s in state(out)["stages"].items()}
+    assert runs == {**dict.fromkeys(RAN, 1), "sampled": 0, "prompts": 2, "distill": 2}
     answers = (out / "data/answers.jsonl").read_text().splitlines()
     assert len(answers) == 16  # 11 of yours + 3 + 2 by the target
     assert state(out)["plan"]["grown"]["magpie_prompts"] == 5
@@ -944,5 +960,35 @@ def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monke
     assert state(out)["summary"]["seconds_this_run"] == pytest.approx(ran, abs=0.5)
     # A rerun keeps the grown sizes: nothing is redone.
     code, printed = run_job(argv)
-    assert code == 0 and {s["runs"] for s in state(out)["stages"].values()} <= {1, 2}
+    assert code == 0 and {s["runs"] for s in state(out)["stages"].values()} <= {0, 1, 2}
     assert runs == {name: s["runs"] for name, s in state(out)["stages"].items()}
+
+
+def test_the_budget_buys_sampled_answers_to_your_prompts_before_magpies(tmp_path, job):
+    """Sized by the budget (no --num-prompts), the job answers each of your prompts greedily,
+    then samples more answers to them (stage 4, ids #s1, #s2), then has the target write
+    prompts; all of it is tokenized and trained on."""
+    out = tmp_path / "out"
+    argv = ["quickstart", "--target", job.target, "--prompts", job.root / "mine.jsonl"]
+    argv += ["--out-dir", out, "--budget-minutes", "4", "--no-probe", "--tree-nodes", "0"]
+    argv += [a for a in SMALL if a not in ("--num-prompts", "3")]
+    code, printed = run_job(argv)
+    assert code == 0, printed
+    plan = state(out)["plan"]
+    yours = plan["seed_prompts"]
+    assert plan["sampled_answers"] == 2 * yours  # --sampled-answers 2, all of them bought
+    assert plan["magpie_prompts"] > 0
+    lines = [json.loads(x) for x in (out / "data/sampled_answers.jsonl").read_text().splitlines()]
+    ids = [r["id"] for r in lines]
+    assert len(ids) == len(set(ids)) == 2 * yours
+    assert sum(i.endswith("#s1") for i in ids) == sum(i.endswith("#s2") for i in ids) == yours
+    assert all(r["source"].startswith("input:") for r in lines)  # yours, not Magpie's
+    greedy = {r["id"]: r for r in map(json.loads, (out / "data/answers.jsonl").open())}
+    assert all(i.rsplit("#", 1)[0] in greedy for i in ids)
+    st = state(out)
+    assert st["stages"]["sampled"]["runs"] == 1
+    command = st["stages"]["sampled"]["command"]
+    assert "--samples 2" in command and "--temperature 0.7" in command
+    made = len(greedy) + len(ids)
+    assert f"[6/10] tokenize {made} conversations" in printed
+    assert f"data: {made} records made ({2 * yours} of them answers sampled" in printed

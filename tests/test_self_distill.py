@@ -404,3 +404,31 @@ def test_prompt_tokens_are_counted(tmp_path, model, tok):
     stats = _run(model, tok, convs, tmp_path / "o.jsonl")
     want = sum(len(prompt_ids(tok, c.messages[0]["content"])) for c in convs)
     assert stats.prompt_tokens == want > 0
+
+
+def test_main_distill_samples_several_answers_per_record(tmp_path, tiny_target_dir, capsys):
+    """--samples N answers the selected records N times over, pass by pass, ids suffixed #sJ
+    (each its own generator: the passes' answers differ), --answers keeps the first of them,
+    and the split of integer-id records is written out; greedy repeats are refused."""
+    src = write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows(12))
+    out = tmp_path / "sampled.jsonl"
+    args = ["--input", str(src), "--output", str(out), "--target", str(tiny_target_dir)]
+    args += ["--max-new-tokens", "6", "--batch-size", "4", "--no-progress", "--device", "cpu"]
+    args += ["--temperature", "1.0", "--seed", "1", "--limit", "5", "--samples", "3"]
+    assert main_distill([*args, "--answers", "12"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    ids = sorted(r["id"] for r in rows)
+    want = [f"{i}#s{j}" for j in (1, 2) for i in range(5)] + ["0#s3", "1#s3"]
+    assert ids == sorted(want)
+    assert all(r["split"] == "train" for r in rows)  # "3#s1" follows no id % 10 rule
+    by_id = {r["id"]: r["output"] for r in rows}
+    assert any(by_id[f"{i}#s1"] != by_id[f"{i}#s2"] for i in range(5))
+    assert "5 records to answer, 3 answers each (12 in all)" in capsys.readouterr().err
+    # A larger --answers extends the file (the quickstart growing its data).
+    assert main_distill([*args, "--answers", "15"]) == 0
+    assert len(out.read_text().splitlines()) == 15
+    greedy = [a for a in args if a not in ("--temperature", "1.0")]
+    assert main_distill([*greedy, "--output", str(tmp_path / "g.jsonl")]) == 2
+    assert "samples: more than 1 answer per record needs --temperature > 0" in (
+        capsys.readouterr().err
+    )

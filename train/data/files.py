@@ -64,7 +64,19 @@ class DataFileError(UsageError):
 
 def input_name(path: Any) -> str:
     """How errors name an input: the path, or ``"<records>"`` for in-memory records."""
+    if _is_path_list(path):
+        return ", ".join(str(p) for p in path)
     return str(path) if isinstance(path, (str, Path)) else "<records>"
+
+
+def _is_path_list(path: Any) -> bool:
+    """Whether ``path`` is several data paths (a list of paths, not of records)."""
+    return (
+        isinstance(path, Sequence)
+        and not isinstance(path, (str, bytes))
+        and bool(path)
+        and all(isinstance(p, (str, Path)) for p in path)
+    )
 
 
 # ((kind, number), record): kind is "line" (1-based) or "row" (0-based); the record is the
@@ -77,7 +89,8 @@ def read_sources(path: Any) -> Iterator[tuple[str, Iterable[Row]]]:
 
     Args:
         path: A data file, a directory (searched recursively, in sorted order, hidden files
-            skipped), a ``datasets.Dataset`` or a list of dicts.
+            skipped), a list of those (read in order), a ``datasets.Dataset`` or a list of
+            dicts.
 
     Yields:
         ``(name, rows)`` per file (one entry, ``"<records>"``, for in-memory records); ``rows``
@@ -88,6 +101,10 @@ def read_sources(path: Any) -> Iterator[tuple[str, Iterable[Row]]]:
             holds no data file.
         TypeError: ``path`` is none of the above.
     """
+    if _is_path_list(path):
+        for one in path:
+            yield from read_sources(one)
+        return
     if not isinstance(path, (str, Path)):
         if hasattr(path, "to_list") and hasattr(path, "column_names"):  # datasets.Dataset
             yield "<records>", ((("row", i), r) for i, r in enumerate(path))

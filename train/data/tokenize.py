@@ -100,8 +100,9 @@ def build_dataset(
     """Load, tokenize and mask a data set for drafter training.
 
     Args:
-        path_or_records: A file / directory / ``datasets.Dataset`` / list of dicts (read with
-            :func:`load_records`), or a list of :class:`Conversation` (used as they are).
+        path_or_records: A file / directory / list of those / ``datasets.Dataset`` / list of
+            dicts (read with :func:`load_records`), or a list of :class:`Conversation` (used as
+            they are).
         tokenizer: The target's tokenizer (its chat template defines the tokens and masks).
         max_length: Truncate samples to this many tokens (``None``: no limit).
         shape: Record shape, see :func:`load_records`.
@@ -236,7 +237,10 @@ def _account(summary: DataSummary, res: dict[str, Any], max_length: int | None) 
 class TokenizeConfig:
     """Settings of ``draftsmith data tokenize``."""
 
-    input: Path = cfg_field(help="conversations: a file or directory (JSONL/JSON/parquet)")
+    input: list[Path] = cfg_field(
+        help="conversations: files or directories (JSONL/JSON/parquet), read in order; ids must "
+        "be unique across them"
+    )
     output: Path = cfg_field(help="where to save the tokenized dataset (datasets.save_to_disk)")
     target: str | None = cfg_field(
         None, help="target whose tokenizer/chat template to use (default: SmolLM2-135M-Instruct)"

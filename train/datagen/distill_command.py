@@ -5,6 +5,9 @@ Launch::
     draftsmith data distill --input ../shared/data/alpaca_2k.jsonl --output data/alpaca_sd.jsonl
     python -m draftsmith.train.datagen.distill_command --output out.jsonl --temperature 0.7 --seed 1
     draftsmith data distill --endpoint http://127.0.0.1:8000 --concurrency 16 --output sd.jsonl
+    # two more answers per prompt, sampled, 2,767 in all (the quickstart's sampled answers)
+    draftsmith data distill --input p.jsonl --output s.jsonl --temperature 0.7 --seed 1 \
+        --limit 1768 --samples 2 --answers 2767
 
 The records are read and their split chosen (``--split auto``: the ``train`` split when they
 carry split information, else all) before the target is loaded, so a typo fails in a second; the
@@ -12,11 +15,15 @@ run itself, its output format and how it resumes are :mod:`~draftsmith.train.dat
 With ``--endpoint`` the answers come from an OpenAI-compatible server instead
 (:mod:`~draftsmith.train.datagen.endpoint_distill`); the server is checked (reachable, serving
 ``--model``) before anything else, and only the target's tokenizer is loaded (``--target``).
+``--samples N`` answers each selected record N times (:func:`repeat_records`), ``--answers`` keeps
+the first of those answers: several sampled answers per prompt, beside a greedy run's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +76,19 @@ class SelfDistillConfig:
         choices=["auto", "train", "heldout", "all"],
     )
     limit: int | None = cfg_field(None, help="answer only the first N selected records")
+    samples: int = cfg_field(
+        1,
+        help="answers per record: more than 1 answers the records that many times over, pass by "
+        "pass, ids suffixed #s1, #s2, ... (each id seeds its own generator; needs --temperature "
+        "> 0: greedy answers would repeat)",
+        ge=1,
+    )
+    answers: int | None = cfg_field(
+        None,
+        help="answers in all: the first N of the passes' records, in order (None: every record "
+        "of every pass)",
+        ge=1,
+    )
     skip_invalid: bool = cfg_field(False, help="skip malformed input records (counted)")
     target: str | None = cfg_field(
         None,
@@ -134,6 +154,8 @@ class SelfDistillConfig:
         problems += sampling_problems(self.temperature, self.top_k, self.top_p)
         if self.limit is not None and self.limit < 1:
             problems.append(("limit", f"must be >= 1, got {self.limit}"))
+        if self.samples > 1 and self.temperature == 0:
+            problems.append(("samples", "more than 1 answer per record needs --temperature > 0"))
         if self.shape == "text":
             problems.append(("shape", "text records have no turns to answer"))
         problem = device_problem(self.device)
@@ -148,6 +170,33 @@ class SelfDistillConfig:
             if self.template != "ours":
                 problems.append(("template", "only with --endpoint"))
         return problems
+
+
+def repeat_records(conversations: Sequence[Conversation], samples: int) -> list[Conversation]:
+    """The records ``samples`` times over, pass by pass (several sampled answers per prompt).
+
+    Args:
+        conversations: the selected records, in order.
+        samples: passes; 1 returns the records as they are.
+
+    Returns:
+        With ``samples > 1``, pass ``j`` (1-based) holds every record with ``#s{j}`` appended to
+        its id: ids stay unique across the data, and each id seeds its own sampling generator
+        (:func:`~draftsmith.train.datagen.self_distill.self_distill`), so the passes' answers
+        differ. Passes come whole and in order, so a prefix (``--answers``) is whole passes and
+        then the first records of the next.
+    """
+    if samples == 1:
+        return list(conversations)
+    out = []
+    for j in range(1, samples + 1):
+        for c in conversations:
+            new_id = f"{c.id}#s{j}"
+            # The written record keeps its input's fields, id included: the new id goes there
+            # too, and the split is spelled out (an integer id's id % 10 rule no longer applies).
+            raw = {**c.raw, "id": new_id, **({"split": c.split} if c.split else {})}
+            out.append(dataclasses.replace(c, id=new_id, raw=raw))
+    return out
 
 
 def main_distill(argv: list[str] | None = None) -> int:
@@ -185,12 +234,20 @@ def _main_distill(argv: list[str]) -> int:
     if not conversations:
         raise DataFileError(source, f"no records in split {split!r}")
     print(f"input: {summary}", file=sys.stderr)
-    print(f"split: {split} ({why}): {len(conversations)} records to answer", file=sys.stderr)
+    selected = len(conversations)
+    conversations = repeat_records(conversations, cfg.samples)[: cfg.answers]
+    passes = (
+        f", {cfg.samples} answers each ({len(conversations)} in all)" if cfg.samples > 1 else ""
+    )
+    print(f"split: {split} ({why}): {selected} records to answer{passes}", file=sys.stderr)
     meta = {
         "input": str(Path(source).resolve()),
         "shape": cfg.shape,
         "split": split,
         "limit": cfg.limit,
+        # Only when set: the meta of an output made before these options still resumes.
+        **({"samples": cfg.samples} if cfg.samples > 1 else {}),
+        **({"answers": cfg.answers} if cfg.answers is not None else {}),
         "target": cfg.target,
     }
     client = server = None

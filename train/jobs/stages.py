@@ -72,6 +72,8 @@ class Stage:
             of attempts); returns a note for the state, or None.
         after: runs after a successful command; returns facts for the state.
         estimate_s: the header's estimate.
+        skip: why the stage has nothing to do in this job (the quickstart's sampled answers
+            when it plans none): then it is not run, only marked done. None: it runs.
         chained: whether its key (and ``strict``) chain through the earlier stages' keys.
             False: its output depends on none of theirs, so ``identity`` names every input
             it has (the target, its input file's hash, ...) and a change before it leaves it
@@ -89,6 +91,7 @@ class Stage:
     accept: Callable[[int], dict[str, Any] | None] | None = None
     after: Callable[[], dict[str, Any]] | None = None
     estimate_s: float = 0.0
+    skip: str | None = None
     chained: bool = True
 
 
@@ -252,6 +255,15 @@ class StageJob:
             self.prev_key = hash_parts(self.prev_key, key)
             self.prev_strict = hash_parts(self.prev_strict, strict)
         header = f"[{index}/{len(self.stage_names)}] {stage.title}"
+        if stage.skip is not None:
+            self._say(f"{header}: {stage.skip}", "dim")
+            rec.clear()
+            rec.update(
+                status="done", key=key, strict=strict, skipped=stage.skip, seconds=0.0, runs=0
+            )
+            self.this_run[stage.name] = "skipped"
+            self._save_state()
+            return
         if rec.get("status") == "done" and rec.get("key") == key and stage.complete():
             self._say(f"{header}: done before, skipped ({relative_path(stage.output)})", "dim")
             self.this_run[stage.name] = "skipped"

@@ -165,8 +165,11 @@ def data_line(data: dict[str, Any]) -> str:
     """One line: the records trained on, the epochs over them, and whether the data grew
     (the job's plan, ``plan.grown``)."""
     epochs = data.get("epochs")
-    text = f"data: {data.get('records', '-')} records made" + (
-        f", {epochs:g} training epochs planned" if epochs is not None else ""
+    sampled = data.get("sampled_answers")
+    text = (
+        f"data: {data.get('records', '-')} records made"
+        + (f" ({sampled} of them answers sampled to your prompts)" if sampled else "")
+        + (f", {epochs:g} training epochs planned" if epochs is not None else "")
     )
     grown = data.get("grown")
     if grown:
