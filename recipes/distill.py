@@ -144,7 +144,13 @@ class DistillConfig(TrainConfig):
     )
     # --- loss ---
     loss: str = cfg_field(
-        "fkl", help="fkl: KL(p||q), rkl: KL(q||p), tvd: total variation, jsd", choices=list(LOSSES)
+        "fkl",
+        help="fkl: KL(p||q), rkl: KL(q||p), tvd: total variation, jsd, lk_hybrid: "
+        "λ fkl + (1 - λ) tvd with λ = exp(-lk_eta α) (LK losses)",
+        choices=list(LOSSES),
+    )
+    lk_eta: float = cfg_field(
+        3.0, help="lk_hybrid: decay of the KL weight with the acceptance rate (0: pure KL)", ge=0
     )
     temperature: float = cfg_field(1.0, help="softmax temperature of p and q in the loss", gt=0)
     jsd_beta: float = cfg_field(0.5, help="jsd: mixture weight beta in (0, 1)", gt=0, lt=1)
@@ -256,6 +262,7 @@ def step_loss(cfg: DistillConfig, p: torch.Tensor, q: torch.Tensor, labels: torc
         ce_weight=cfg.ce_weight,
         temperature=cfg.temperature,
         beta=cfg.jsd_beta,
+        eta=cfg.lk_eta,
     )
 
 

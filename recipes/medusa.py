@@ -71,6 +71,7 @@ from ..train.core.stop import check_finite
 from ..train.decoding.metrics import simulated_tau
 from ..train.device import DTYPE_AUTO_HELP, auto_dtype
 from ..train.errors import UsageError, cli_main
+from ..train.objectives.acceptance import DRAFT_LOSSES
 from ..train.objectives.medusa import (
     HEAD_LABELS,
     TARGET_LOSSES,
@@ -142,6 +143,16 @@ class MedusaConfig(TrainConfig):
         choices=list(HEAD_LABELS),
     )
     head_decay: float = cfg_field(0.8, help="head k's loss weight is head_decay**k", gt=0, le=1)
+    head_loss: str = cfg_field(
+        "kl",
+        help="the heads' loss: kl (cross-entropy with the labels), or with head_labels "
+        "target_soft an LK loss on each head's acceptance: tv (1 - α), nla (-log α), lk_hybrid "
+        "(λ KL + (1 - λ) TV, λ = exp(-lk_eta α))",
+        choices=list(DRAFT_LOSSES),
+    )
+    lk_eta: float = cfg_field(
+        3.0, help="lk_hybrid: decay of the KL weight with the acceptance rate (0: pure KL)", ge=0
+    )
     lr: float = cfg_field(1e-3, help="peak learning rate (Medusa-2: of the LoRA adapters)", gt=0)
     eval_every: int = cfg_field(
         0, help="validate every N optimizer steps, and at the end (0 = at the end only)", ge=0
@@ -182,6 +193,13 @@ class MedusaConfig(TrainConfig):
                 problems.append(("hidden_states_cache", "only read with hidden_states: offline"))
             if self.data is None:
                 problems.append(("data", "online hidden states need training records (data)"))
+        if self.head_loss != "kl" and self.head_labels != "target_soft":
+            problems.append(
+                (
+                    "head_loss",
+                    f"{self.head_loss} needs the target's distribution: head_labels target_soft",
+                )
+            )
         return problems
 
     def input_paths(self) -> dict[str, Path | None]:
@@ -343,9 +361,17 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                 head_labels=cfg.head_labels,
                 decay=cfg.head_decay,
                 head_weight=cfg.head_weight,
+                head_loss=cfg.head_loss,
+                lk_eta=cfg.lk_eta,
             )
         else:
-            objective = Medusa1Objective(heads, labels=cfg.head_labels, decay=cfg.head_decay)
+            objective = Medusa1Objective(
+                heads,
+                labels=cfg.head_labels,
+                decay=cfg.head_decay,
+                head_loss=cfg.head_loss,
+                lk_eta=cfg.lk_eta,
+            )
         trainable = sum(p.numel() for p in objective.parameters() if p.requires_grad)
         say(
             f"{cfg.stage}: {cfg.num_heads} heads x {cfg.num_layers} layers, "
@@ -512,6 +538,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
             "feature_layer": feature_layer,
             "target_name_or_path": str(target_path),
             "head_labels": cfg.head_labels,
+            "head_loss": cfg.head_loss,
         }
 
         def save_heads(path: Path, extra: dict[str, Any] | None = None) -> None:

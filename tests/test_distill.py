@@ -88,6 +88,20 @@ def test_temperature_and_cross_entropy_mix_by_hand():
     )
 
 
+def test_lk_hybrid_blends_kl_and_tv_by_the_acceptance():
+    # The pair above: KL 0.143841, TV 0.25, acceptance 0.75. λ = exp(-η · 0.75).
+    for eta in (0.0, 1.0, 3.0):
+        lam = math.exp(-eta * 0.75)
+        expected = lam * 0.143841 + (1 - lam) * 0.25
+        assert distill_loss("lk_hybrid", P, Q, eta=eta).item() == pytest.approx(expected, abs=1e-6)
+    # η = 0 is pure forward KL, gradient included (λ is detached, so it adds no gradient path).
+    q1 = Q.clone().requires_grad_(True)
+    q2 = Q.clone().requires_grad_(True)
+    distill_loss("lk_hybrid", P, q1, eta=0.0).backward()
+    forward_kl(P, q2).backward()
+    assert torch.allclose(q1.grad, q2.grad)
+
+
 def test_mask_selects_positions():
     # Position 0: the pair above; position 1: identical distributions (every loss 0, acceptance 1).
     p = torch.stack([P[0], P[0]])[None]  # [1, 2, 2]
@@ -107,7 +121,7 @@ def test_mask_selects_positions():
 def test_losses_are_zero_for_equal_distributions_and_differentiable():
     torch.manual_seed(0)
     p = torch.randn(3, 5, 11)
-    for kind in ("fkl", "rkl", "tvd", "jsd"):
+    for kind in ("fkl", "rkl", "tvd", "jsd", "lk_hybrid"):
         assert distill_loss(kind, p, p.clone()).item() == pytest.approx(0.0, abs=1e-6)
         q = torch.randn(3, 5, 11, requires_grad=True)
         loss = distill_loss(kind, p, q)
@@ -269,7 +283,7 @@ def test_load_draft_from_path(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss", ["fkl", "rkl", "tvd", "jsd"])
+@pytest.mark.parametrize("loss", ["fkl", "rkl", "tvd", "jsd", "lk_hybrid"])
 def test_training_raises_expected_acceptance_on_a_fixed_batch(target, loss):
     cfg = DistillConfig(data="x", loss=loss)
     draft = pruned_draft(target, [0])

@@ -212,6 +212,43 @@ def test_head_losses_decrease_on_a_fixed_batch(target):
     assert (last < 0.5 * first).all(), (first, last)
 
 
+def test_lk_head_losses_are_one_minus_the_acceptance_and_raise_it(target):
+    """head_loss tv is 1 − Σ min(p, q) per head; training on it raises every head's acceptance."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, V, (2, 24))
+    mask = torch.zeros_like(ids)
+    mask[:, 6:] = 1
+    hidden = final_hidden(target, ids)
+    lm_head = target.get_output_embeddings()
+    heads = MedusaHeads.from_target(target, num_heads=2, num_layers=1)
+
+    def acceptance(k: int) -> float:
+        b, t = head_label_positions(mask, k)
+        with torch.no_grad():
+            q = heads.head_logits(k, hidden[b, t]).float().softmax(-1)
+            p = lm_head(hidden[b, t + k + 1]).float().softmax(-1)
+        return torch.minimum(p, q).sum(-1).mean().item()
+
+    tv = medusa_head_losses(
+        heads, hidden, ids, mask, labels="target_soft", teacher=lm_head, head_loss="tv"
+    )
+    for k in range(2):
+        assert tv["head_loss"][k].item() == pytest.approx(1 - acceptance(k), abs=1e-5)
+    before = [acceptance(k) for k in range(2)]
+    objective = Medusa1Objective(heads, labels="target_soft", head_loss="lk_hybrid")
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(20):
+        out = objective(hidden, ids, mask, teacher=lm_head)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    after = [acceptance(k) for k in range(2)]
+    assert all(a > b + 0.05 for a, b in zip(after, before, strict=True)), (before, after)
+    # Hard labels carry no distribution to accept against: refused, naming what it needs.
+    with pytest.raises(ValueError, match="labels='target_soft'"):
+        medusa_head_losses(heads, hidden, ids, mask, labels="data", head_loss="tv")
+
+
 def test_medusa2_trains_only_lora_and_heads(target):
     torch.manual_seed(0)
     model = copy.deepcopy(target)

@@ -98,10 +98,12 @@ def test_config_errors_name_every_field(tmp_path):
                 "warmup_ratio": "1",
                 "lora_dropout": "1",
                 "draft_vocab_size": "-1",
+                "head_loss": "lk_hybrid",  # with the default hard labels: nothing to accept against
             },
         )
     fields = {f for f, _ in err.value.problems}
     assert fields == {
+        "head_loss",
         "draft_vocab_size",
         "num_heads",
         "lr",

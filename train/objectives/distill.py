@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: Loss names accepted by :func:`distill_loss` (and the recipe's ``loss`` field).
-LOSSES: tuple[str, ...] = ("fkl", "rkl", "tvd", "jsd")
+LOSSES: tuple[str, ...] = ("fkl", "rkl", "tvd", "jsd", "lk_hybrid")
 
 
 def prediction_mask(
@@ -282,12 +282,16 @@ def distill_loss(
     ce_weight: float = 0.0,
     temperature: float = 1.0,
     beta: float = 0.5,
+    eta: float = 3.0,
 ) -> torch.Tensor:
     """The training loss: ``(1 − ce_weight) · D(p, q) + ce_weight · CE(q, labels)``.
 
     Args:
         kind: divergence D, one of :data:`LOSSES`: ``fkl`` (KL(p‖q)), ``rkl`` (KL(q‖p)),
-            ``tvd`` (total variation), ``jsd`` (generalised JSD with ``beta``).
+            ``tvd`` (total variation), ``jsd`` (generalised JSD with ``beta``), ``lk_hybrid``
+            (``λ · KL(p‖q) + (1 − λ) · TVD`` with ``λ = exp(−η · ᾱ)``, ``ᾱ = 1 − TVD`` the mean
+            acceptance rate, detached: the LK losses' hybrid, arXiv 2602.23881 §4.2, the same
+            blend as the EAGLE recipes' ``loss: lk_hybrid``).
         p_logits: ``[..., V]`` target logits.
         q_logits: ``[..., V]`` draft logits.
         mask: ``[...]`` positions to average over (None: all).
@@ -295,6 +299,7 @@ def distill_loss(
         ce_weight: weight of the cross-entropy on the data labels, in [0, 1].
         temperature: softmax temperature of the divergence (the cross-entropy uses 1).
         beta: JSD mixing weight.
+        eta: ``lk_hybrid``'s decay of the KL weight with the acceptance rate (0: pure KL).
 
     Returns:
         Scalar tensor.
@@ -313,6 +318,13 @@ def distill_loss(
             d = reverse_kl(p_logits, q_logits, mask, temperature=temperature)
         elif kind == "tvd":
             d = total_variation(p_logits, q_logits, mask, temperature=temperature)
+        elif kind == "lk_hybrid":
+            # KL leads while the draft is poor (TV's gradient vanishes where p and q barely
+            # overlap); TV, i.e. 1 − acceptance itself, takes over as the acceptance grows.
+            kl = forward_kl(p_logits, q_logits, mask, temperature=temperature)
+            tv = total_variation(p_logits, q_logits, mask, temperature=temperature)
+            lam = torch.exp(-eta * (1.0 - tv.detach()))
+            d = lam * kl + (1.0 - lam) * tv
         else:
             d = jsd(p_logits, q_logits, mask, beta=beta, temperature=temperature)
         loss = loss + (1 - ce_weight) * d

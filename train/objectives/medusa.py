@@ -49,6 +49,7 @@ from torch import nn
 from ...heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
 from ..core.schedule import WarmupCosine
 from ..data.vocab import t2d_index
+from .acceptance import DRAFT_LOSSES, draft_loss
 
 __all__ = [
     "HEAD_LABELS",
@@ -108,8 +109,10 @@ def medusa_head_losses(
     labels: str = "data",
     teacher: Callable[[torch.Tensor], torch.Tensor] | None = None,
     decay: float = 0.8,
+    head_loss: str = "kl",
+    lk_eta: float = 3.0,
 ) -> dict[str, torch.Tensor]:
-    """Weighted cross-entropy of every head, and its top-1/top-5 hits.
+    """Weighted loss of every head (cross-entropy by default), and its top-1/top-5 hits.
 
     Only the supervised positions go through the heads (a ``[B, T, V]`` logits tensor per head
     would dominate memory for a 49k vocabulary).
@@ -124,9 +127,14 @@ def medusa_head_losses(
         teacher: maps hidden states ``[n, H]`` to the target's logits ``[n, V]`` (its lm_head);
             needed for the ``target*`` labels. Called without gradients.
         decay: head k's loss weight is ``decay^k``.
+        head_loss: ``kl`` (cross-entropy with the label, hard or soft) or, with ``target_soft``
+            labels, one of the LK losses of :data:`~.acceptance.DRAFT_LOSSES` (``tv``, ``nla``,
+            ``lk_hybrid``), which train each head's acceptance rate against the target's
+            distribution directly (arXiv 2602.23881; EAGLE's ``loss`` field).
+        lk_eta: ``lk_hybrid``'s decay of the KL weight with the acceptance rate.
 
     Returns:
-        ``loss`` (scalar, with grad), and per head ``[K]`` (no grad): ``head_loss`` (mean CE),
+        ``loss`` (scalar, with grad), and per head ``[K]`` (no grad): ``head_loss`` (mean loss),
         ``correct1``/``correct5`` (hits against the hard label), ``count`` (positions).
         With a draft vocabulary see the module docstring: the soft label is restricted to it,
         hard labels outside it are left out of the CE and counted as misses.
@@ -135,6 +143,12 @@ def medusa_head_losses(
         raise ValueError(f"labels must be one of {HEAD_LABELS}, got {labels!r}")
     if labels != "data" and teacher is None:
         raise ValueError(f"labels={labels!r} needs the target's lm_head as teacher")
+    if head_loss not in DRAFT_LOSSES:
+        raise ValueError(f"head_loss must be one of {', '.join(DRAFT_LOSSES)}; got {head_loss!r}")
+    if head_loss != "kl" and labels != "target_soft":
+        raise ValueError(
+            f"head_loss={head_loss!r} needs the target's distribution: labels='target_soft'"
+        )
     K = heads.num_heads
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = {
@@ -165,7 +179,10 @@ def medusa_head_losses(
                         -1, vocab_ids.to(teacher_logits.device)
                     )
                 soft = teacher_logits.softmax(-1)
-        if soft is not None:
+        if soft is not None and head_loss != "kl":
+            every = torch.ones(soft.shape[0], dtype=torch.bool, device=soft.device)
+            loss_k, _, _ = draft_loss(head_loss, logits, soft, every, eta=lk_eta)
+        elif soft is not None:
             # Cross-entropy with the teacher's distribution (= KL + the teacher's entropy).
             loss_k = -(soft * logits.log_softmax(-1)).sum(-1).mean()
         elif to_draft is None:
@@ -197,13 +214,25 @@ class Medusa1Objective(nn.Module):
         heads: the trainable heads.
         labels: see :func:`medusa_head_losses`.
         decay: head loss decay.
+        head_loss: the heads' loss (see :func:`medusa_head_losses`).
+        lk_eta: ``lk_hybrid``'s decay of the KL weight.
     """
 
-    def __init__(self, heads: MedusaHeads, *, labels: str = "data", decay: float = 0.8) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        *,
+        labels: str = "data",
+        decay: float = 0.8,
+        head_loss: str = "kl",
+        lk_eta: float = 3.0,
+    ) -> None:
         super().__init__()
         self.heads = heads
         self.labels = labels
         self.decay = decay
+        self.head_loss = head_loss
+        self.lk_eta = lk_eta
 
     def forward(
         self,
@@ -222,6 +251,8 @@ class Medusa1Objective(nn.Module):
             labels=self.labels,
             teacher=teacher,
             decay=self.decay,
+            head_loss=self.head_loss,
+            lk_eta=self.lk_eta,
         )
 
 
@@ -272,6 +303,8 @@ class Medusa2Objective(nn.Module):
             target being trained (the one that will verify the drafts).
         decay: head loss decay.
         head_weight: λ, the heads' weight against the target loss.
+        head_loss: the heads' loss (see :func:`medusa_head_losses`).
+        lk_eta: ``lk_hybrid``'s decay of the KL weight.
     """
 
     def __init__(
@@ -283,6 +316,8 @@ class Medusa2Objective(nn.Module):
         head_labels: str = "data",
         decay: float = 0.8,
         head_weight: float = 0.2,
+        head_loss: str = "kl",
+        lk_eta: float = 3.0,
     ) -> None:
         super().__init__()
         if target_loss not in TARGET_LOSSES:
@@ -293,6 +328,8 @@ class Medusa2Objective(nn.Module):
         self.head_labels = head_labels
         self.decay = decay
         self.head_weight = head_weight
+        self.head_loss = head_loss
+        self.lk_eta = lk_eta
 
     def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         out = self.target(
@@ -333,6 +370,8 @@ class Medusa2Objective(nn.Module):
             labels=self.head_labels,
             teacher=as_teacher(lm_head),
             decay=self.decay,
+            head_loss=self.head_loss,
+            lk_eta=self.lk_eta,
         )
         head_total = out["loss"]
         if heads_only:

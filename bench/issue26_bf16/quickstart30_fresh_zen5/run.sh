@@ -1,0 +1,19 @@
+#!/bin/bash
+# Issue 26's 30-minute goal: README command 1, unchanged, in a fresh clone of main with no
+# ../shared beside it, its own venv and an empty draftsmith cache, alone on the machine.
+set -u
+F=/work/runs/fresh8
+rm -rf $F && mkdir -p $F && cd $F
+git clone -q /work/main draftsmith && cd draftsmith
+python -m venv $F/venv && source $F/venv/bin/activate
+export DRAFTSMITH_CACHE=$F/cache  # a fresh machine's empty cache
+git log --oneline -1
+grep -m1 "cpu family" /proc/cpuinfo
+date
+start=$(date +%s)
+pip install -q torch==2.13.0 2>&1 | grep -v WARNING; pip install -q -e ".[dev]" 2>&1 | grep -v WARNING
+echo "install s: $(( $(date +%s) - start ))"
+date
+draftsmith quickstart
+echo "rc=$?"
+date
