@@ -321,8 +321,11 @@ def distill_loss(
         elif kind == "lk_hybrid":
             # KL leads while the draft is poor (TV's gradient vanishes where p and q barely
             # overlap); TV, i.e. 1 − acceptance itself, takes over as the acceptance grows.
-            kl = forward_kl(p_logits, q_logits, mask, temperature=temperature)
-            tv = total_variation(p_logits, q_logits, mask, temperature=temperature)
+            # One log-softmax of each side serves both terms (each is [N, V]: the cost here).
+            log_p = _log_probs(p_logits, temperature)
+            log_q = _log_probs(q_logits, temperature)
+            kl = _masked_mean(_kl(log_p, log_q), mask)
+            tv = _masked_mean(0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1), mask)
             lam = torch.exp(-eta * (1.0 - tv.detach()))
             d = lam * kl + (1.0 - lam) * tv
         else:
