@@ -697,7 +697,13 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
 
 
 def _loss_name(cfg: DistillConfig) -> str:
-    name = {"fkl": "forward KL", "rkl": "reverse KL", "tvd": "TVD", "jsd": f"JSD(β={cfg.jsd_beta})"}
+    name = {
+        "fkl": "forward KL",
+        "rkl": "reverse KL",
+        "tvd": "TVD",
+        "jsd": f"JSD(β={cfg.jsd_beta})",
+        "lk_hybrid": f"LK hybrid of forward KL and TVD (η={cfg.lk_eta})",
+    }
     text = name[cfg.loss] + (f" at T={cfg.temperature}" if cfg.temperature != 1 else "")
     if cfg.ce_weight:
         text += f" + {cfg.ce_weight} × cross-entropy"

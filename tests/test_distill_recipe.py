@@ -106,7 +106,8 @@ def base_args(tmp_path: Path, target_dir: Path, out: str, *extra: str) -> list[s
     ]
 
 
-def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
+@pytest.mark.parametrize("loss", ["tvd", "lk_hybrid"])
+def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir, loss):
     from transformers import AutoModelForCausalLM
 
     argv = base_args(
@@ -122,7 +123,7 @@ def test_recipe_trains_validates_and_saves(tmp_path, tiny_target_dir):
         "--keep-checkpoints",
         "1",
         "--loss",
-        "tvd",
+        loss,
     )
     assert main(argv) == 0
     out = tmp_path / "run"

@@ -13,7 +13,7 @@ O=${OUT:-/work/runs/lk_eq}
 M=${MINUTES:-10}
 mkdir -p $O
 base="--max-minutes $M --fit-schedule --threads 1 --seed 0 --target-dtype bf16 --mixed-precision bf16 --hidden-states offline --hidden-states-cache $D/cache --val-data $D/val_answers.jsonl --keep-checkpoints 1"
-distill="draftsmith train distill $base --draft-init pruned --draft-layers 0 --draft-vocab-size 8192 --batch-size 8 --lr 5e-4 --max-length 512 --val-samples 32 --epochs 2 --eval-every 100 --save-every 100"
+distill="draftsmith train distill $base --draft-init pruned --draft-layers 0 --draft-vocab-size 8192 --batch-size 8 --lr 5e-4 --max-length 512 --val-samples 32 --epochs 0.27 --eval-every 45 --save-every 45"
 medusa="draftsmith train medusa $base --stage medusa1 --num-heads 4 --draft-vocab-size 8192 --head-labels target_soft --batch-size 4 --grad-accum 2 --lr 1e-3 --max-length 512 --val-samples 64 --epochs 3 --eval-every 400 --save-every 400"
 date
 $distill --loss fkl --output-dir $O/distill_fkl > $O/distill_fkl.log 2>&1 &
