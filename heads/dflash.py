@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import BlockLayout, block_attention
 from .base import BuildOptions, DrafterKind, Features, Proposal, unwrap_model
 from .eagle_config import _rope_from_target, config_from_fields
 from .eagle_model import _MLP, RMSNorm, SharedTarget, _Rotary, _rotate_half
@@ -342,12 +343,16 @@ class _Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         context: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockLayout | None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
         q = _rope(q, rope)
         k, v = self.key_value(x, rope)
+        if isinstance(mask, BlockLayout):
+            # Training: blocks side by side, a chunk of them at a time (memory linear in T).
+            out = block_attention(q, context[0].to(k.dtype), context[1].to(v.dtype), k, v, mask)
+            return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
         # Context keys first, then the block's (z-lab model.py and vLLM's KV cache layout).
         k = torch.cat([context[0].to(k.dtype), k], dim=2)
         v = torch.cat([context[1].to(v.dtype), v], dim=2)
@@ -373,7 +378,7 @@ class _DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         context: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockLayout | None,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, context, mask)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
@@ -478,7 +483,7 @@ class DFlashDrafter(nn.Module):
         features: torch.Tensor | None = None,
         feature_positions: torch.Tensor | None = None,
         context: ContextKV | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | BlockLayout | None = None,
     ) -> torch.Tensor:
         """One drafter pass over the block positions (training and drafting alike).
 
@@ -494,7 +499,9 @@ class DFlashDrafter(nn.Module):
             feature_positions: ``[B, P]`` their positions (default ``0..P-1``).
             context: per-layer context keys/values (:meth:`context_kv`), instead of features.
             attention_mask: bool ``[B or 1, 1, S, P + S]`` over (context keys, block keys),
-                True = attend; None = every key.
+                True = attend; None = every key; or a
+                :class:`~draftsmith.heads.attention.BlockLayout` (training: several blocks
+                side by side, attended a chunk of blocks at a time, no dense mask).
 
         Returns:
             ``[B, S, H]``: the block's hidden states after the final ``norm`` (what the

@@ -18,9 +18,12 @@ full-vocabulary equivalent, which servers load as any draft model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +135,58 @@ def check_vocab_compatible(
             f"at id {i}: draft {d!r} vs target {t!r}"
         )
     raise ValueError(f"{sizes}: the draft must share the target's tokenizer and vocabulary")
+
+
+class LossHead(nn.Linear):
+    """A causal LM's output head that can return a loss in place of its logits (training).
+
+    FSDP gathers a sharded weight only inside the forward of the module it wraps, so a loss
+    that applies the draft's head itself, chunk by chunk so that no ``[N, V]`` logits are kept
+    (``train/objectives/chunked_loss.py``), must run inside the draft's forward. Installed as
+    the model's output embeddings by :func:`install_loss_head` (the same parameters under the
+    same names: state dicts, checkpoints and ``save_pretrained`` are unchanged, and a tied
+    weight stays tied), it is ``F.linear`` as before, except inside :meth:`computing`, where a
+    call returns ``fn(hidden, weight, bias)`` instead: what the HF model then returns as its
+    ``logits``.
+    """
+
+    def __init__(self, head: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.weight = head.weight
+        self.register_parameter("bias", head.bias)
+        self._fn: Callable[..., Any] | None = None
+
+    def forward(self, hidden: torch.Tensor) -> Any:
+        """``[..., H] -> [..., V]`` logits, or inside :meth:`computing` what its ``fn`` returns."""
+        if self._fn is None:
+            return F.linear(hidden, self.weight, self.bias)
+        return self._fn(hidden, self.weight, self.bias)
+
+    @contextlib.contextmanager
+    def computing(self, fn: Callable[..., Any]) -> Iterator[None]:
+        """Calls inside the block return ``fn(hidden [..., H], weight [V, H], bias [V] | None)``."""
+        self._fn = fn
+        try:
+            yield
+        finally:
+            self._fn = None
+
+
+def install_loss_head(model: PreTrainedModel) -> LossHead:
+    """Make ``model``'s output head a :class:`LossHead` (in place; idempotent), and return it.
+
+    Raises:
+        TypeError: the head is not a plain ``nn.Linear``.
+    """
+    head = model.get_output_embeddings()
+    if isinstance(head, LossHead):
+        return head
+    if type(head) is not nn.Linear:
+        raise TypeError(f"the draft's output head is a {type(head).__name__}, not an nn.Linear")
+    loss_head = LossHead(head)
+    model.set_output_embeddings(loss_head)
+    return loss_head
 
 
 class DraftLM(nn.Module):

@@ -47,21 +47,23 @@ target).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .attention import TTTKeys, causal_attention, prefix_attention
 from .base import Features
 from .vocab_maps import check_vocab_maps, spread_logits, vocab_target_ids
 
 if TYPE_CHECKING:
     from .eagle_config import EagleConfig
 
-__all__ = ["EagleCache", "EagleDrafter", "RMSNorm", "SharedTarget", "causal_mask"]
+__all__ = ["EagleCache", "EagleDrafter", "RMSNorm", "SharedTarget", "TTTKeys"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,8 +71,46 @@ __all__ = ["EagleCache", "EagleDrafter", "RMSNorm", "SharedTarget", "causal_mask
 # --------------------------------------------------------------------------------------------
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``, keeping only ``x``
+    and the ``[..., 1]`` inverse RMS for the backward.
+
+    Autograd on the plain expression keeps the fp32 upcast of ``x`` and the normalised tensor
+    too: two ``[T, H]`` fp32 tensors per norm, four norms per EAGLE-3 training-time-test step.
+    The backward recomputes the normalised tensor and applies the same chain rule.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xf = x.float()
+        normed = (xf * rstd).to(x.dtype)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * normed).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of x * rsqrt(mean(x^2) + eps): rstd * (g - x rstd^2 mean(g x)), in fp32.
+            # The gradient reaches the normalised tensor in its dtype (x's), as autograd's would.
+            g = (grad * weight).to(x.dtype).float()
+            mean_gx = (g * xf).mean(-1, keepdim=True)
+            grad_x = (rstd * (g - xf * rstd.pow(2) * mean_gx)).to(x.dtype)
+        return grad_x, grad_w, None
+
+
 class RMSNorm(nn.Module):
-    """Llama RMSNorm (computed in float32, like HF's ``LlamaRMSNorm``)."""
+    """Llama RMSNorm (computed in float32, like HF's ``LlamaRMSNorm``).
+
+    With grad on, the backward is :class:`_RMSNormFunction`'s (the same values, half the memory
+    kept per norm); without, the plain expression.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -78,10 +118,49 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype where autocast is on (else as it is), cast once.
+
+    Several projections of the same input (q/k/v; gate/up) would each save their own autocast
+    copy of it for the backward: one cast shared by all keeps one.
+    """
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(device))
+    return x
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up``, keeping only ``gate`` and ``up`` for the backward.
+
+    Autograd on the plain expression also keeps ``silu(gate)``: a third ``[T, intermediate]``
+    tensor per layer and step (the largest activations of a drafter). The backward recomputes it
+    (silu's derivative: ``s (1 + x (1 - s))``, ``s = sigmoid(x)``).
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        grad_gate = None
+        if ctx.needs_input_grad[0]:
+            s = torch.sigmoid(gate.float())
+            d_act = (grad * up).float()  # autograd's mul backward, in the inputs' dtype
+            grad_gate = (d_act * s * (1 + gate.float() * (1 - s))).to(gate.dtype)
+        return grad_gate, grad_up
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -153,16 +232,6 @@ class EagleCache:
             self.values = self.values.index_select(-2, index)
 
 
-def causal_mask(new: int, past: int, device: torch.device | None = None) -> torch.Tensor:
-    """Bool mask ``[1, 1, new, past + new]``: every cached key plus the causal new keys.
-
-    True = may attend (SDPA's boolean convention).
-    """
-    old = torch.ones(new, past, dtype=torch.bool, device=device)
-    tri = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-    return torch.cat([old, tri], dim=1)[None, None]
-
-
 class _Attention(nn.Module):
     def __init__(self, config: EagleConfig, in_features: int) -> None:
         super().__init__()
@@ -177,21 +246,37 @@ class _Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: EagleCache | None,
+        mask: torch.Tensor | None,
+        cache: EagleCache | TTTKeys | None,
+        mask_offset: int = 0,
     ) -> torch.Tensor:
         b, t, _ = x.shape
+        x = _autocast_input(x)
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.append(k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads
-        )
+        if isinstance(cache, TTTKeys):
+            # Training-time test: causal over step 0's keys, diagonal over later steps' (no
+            # mask, memory linear in T x steps; heads/attention.py).
+            if mask is not None:
+                raise ValueError("a TTT unroll attends by its own layout: pass no attention_mask")
+            out = cache.attend(q, k, v)
+        else:
+            past = 0 if cache is None else len(cache)
+            if cache is not None:
+                k, v = cache.append(k, v)
+            if mask is None and past == 0:
+                out = causal_attention(q, k, v)
+            else:
+                # The cached context (every new query sees it) by a fused kernel, the new keys
+                # under their small mask (causal, or the tree's), merged exactly.
+                prefix = past if mask is None else mask_offset
+                if mask is None:
+                    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+                out = prefix_attention(q, k, v, prefix, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -203,9 +288,14 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
         self.act = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        x = _autocast_input(x)
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.silu and torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return self.down_proj(_SwiGLU.apply(gate, up))
+        return self.down_proj(self.act(gate) * up)
 
 
 class _DecoderLayer(nn.Module):
@@ -235,8 +325,9 @@ class _DecoderLayer(nn.Module):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: EagleCache | None,
+        mask: torch.Tensor | None,
+        cache: EagleCache | TTTKeys | None,
+        mask_offset: int = 0,
     ) -> torch.Tensor:
         if self.v3:
             if self.norm_before_residual:
@@ -247,7 +338,7 @@ class _DecoderLayer(nn.Module):
             x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         else:
             residual, x = hidden, hidden
-        hidden = residual + self.self_attn(x, rope, mask, cache)
+        hidden = residual + self.self_attn(x, rope, mask, cache, mask_offset)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -379,9 +470,11 @@ class EagleDrafter(nn.Module):
         features: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        cache: EagleCache | None = None,
+        cache: EagleCache | TTTKeys | None = None,
         return_logits: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        head_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        mask_offset: int = 0,
+    ) -> tuple[torch.Tensor, Any]:
         """One drafter pass over T positions (training and drafting alike).
 
         Args:
@@ -391,12 +484,23 @@ class EagleDrafter(nn.Module):
                 EAGLE-1 takes F = H (target final features or its own predictions).
             position_ids: ``[B, T]`` RoPE positions (position t for the input pairing f_t with
                 x_{t+1}).
-            attention_mask: bool ``[B or 1, 1, T, len(cache) + T]`` over (cached keys, new keys),
-                True = attend. None: all cached keys plus causal over the new ones.
-            cache: if given, the new keys/values are appended to it (in place) and attention
-                covers the cached entries too.
+            attention_mask: bool ``[B or 1, 1, T, len(cache) + T - mask_offset]`` over the
+                (cached, new) keys from ``mask_offset`` on, True = attend; keys before
+                ``mask_offset`` are visible to every query (the verified context of an EAGLE-2
+                tree). None: all cached keys plus causal over the new ones.
+            cache: an :class:`EagleCache` (drafting): the new keys/values are appended to it (in
+                place) and attention covers the cached entries too. A
+                :class:`~draftsmith.heads.attention.TTTKeys` (training): the unroll's steps, in
+                order; step 0 attends causally, later steps to step 0's keys causally and to
+                their own position in each earlier step (EAGLE-3 §3.3), with no mask (right
+                padding: see :mod:`draftsmith.heads.attention`).
+            mask_offset: see ``attention_mask``.
             return_logits: also compute :meth:`logits` of the output (keeps every parameter
                 use inside ``forward``, which DDP wrappers prefer).
+            head_fn: EAGLE-3 only, instead of ``return_logits``: ``head_fn(head_input [B, T, H],
+                lm_head.weight [V_draft, H])`` is returned in place of the logits, so a loss can
+                apply the head chunk by chunk (never holding ``[B, T, V_draft]``) while the
+                head's weight is still used inside ``forward`` (FSDP gathers it only there).
 
         Returns:
             ``(hidden [B, T, H], logits [B, T, V_draft] or None)``. ``hidden`` is the next
@@ -426,15 +530,16 @@ class EagleDrafter(nn.Module):
                     f"EAGLE-1 features must have {h} channels, got {features.shape[-1]}"
                 )
             hidden = self.fc(torch.cat([inputs_embeds, features], dim=-1))
-        t = hidden.shape[1]
-        past = 0 if cache is None else len(cache)
-        if attention_mask is None:
-            attention_mask = causal_mask(t, past, hidden.device)
         rope = self._rope(position_ids.to(hidden.device), hidden.dtype)
         for layer in self.layers:
-            hidden = layer(inputs_embeds, hidden, rope, attention_mask, cache)
+            hidden = layer(inputs_embeds, hidden, rope, attention_mask, cache, mask_offset)
         if self.config.norm_output:
             hidden = self.norm(hidden)  # EAGLE-3.1: the post-norm state goes on (and to the head)
+        if head_fn is not None:
+            if self.config.version != 3:
+                raise ValueError("head_fn is for EAGLE-3's own head; EAGLE-1 uses the target's")
+            head_in = hidden if self.config.norm_output else self.norm(hidden)
+            return hidden, head_fn(head_in, self.lm_head.weight)
         return hidden, (self.logits(hidden) if return_logits else None)
 
     def placeholders(self, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -254,7 +254,12 @@ class EagleProposer:
             emb = d.embed(torch.tensor([[tok_list[n] for n in frontier]], device=dev))
             inp = feat[:, [node_hidden[n] for n in frontier]]
             pos = torch.full((1, m), base_pos + level, device=dev)
-            out, _ = d(emb, inp, pos, attention_mask=mask[None, None].to(dev), cache=self._cache)
+            # The verified context (the first `_real` entries) is visible to every node: only
+            # the tree's own entries go through the mask, which then never grows with context.
+            tail = mask[:, self._real :][None, None].to(dev)
+            out, _ = d(
+                emb, inp, pos, attention_mask=tail, cache=self._cache, mask_offset=self._real
+            )
             born = children(out, frontier, [score_list[n] for n in frontier])
             layer = [kid for kid, _ in born]
             node_hidden.update(born)

@@ -45,6 +45,12 @@ def _bench(argv: list[str]) -> int:
     return bench(argv, call=main)
 
 
+def _plan(argv: list[str]) -> int:
+    from .plan import main
+
+    return main(argv)
+
+
 def _export(argv: list[str]) -> int:
     from ..train.export.command import main
 
@@ -205,6 +211,10 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
         "every drafter + HF references on one prompt set: report, plots, recommended k",
     ),
     "export": (_export, "write a drafter for vLLM / SGLang / HF (speculators, eagle3, ...)"),
+    "plan": (
+        _plan,
+        "will an EAGLE training job fit? per-GPU peak memory, and what would fit instead",
+    ),
 }
 
 

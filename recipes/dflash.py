@@ -61,6 +61,7 @@ from ..train.core.data import (
     run_draft_vocab,
     split_indices,
     total_steps,
+    train_loader,
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import (
@@ -100,7 +101,7 @@ class DFlashTrainConfig(TrainConfig):
         "holds DFlash's layers)",
     )
     target_dtype: str = cfg_field(
-        "fp32",
+        "auto",
         help="target weights dtype for online features and the label head (the drafter keeps "
         "fp32 master weights); " + DTYPE_AUTO_HELP,
         choices=["auto", "fp32", "bf16"],
@@ -202,7 +203,6 @@ def train(cfg: DFlashTrainConfig) -> int:
     from ..train.objectives.dflash import dflash_loss
     from ..train.progress import progress
     from ..train.runinfo import run_info
-    from ..train.target_model.load import load_target
 
     with TrainRun(cfg, recipe="dflash", kind="dflash", outputs=["drafter"], fsdp=True) as run:
         accelerator, say = run.accelerator, run.say
@@ -211,7 +211,8 @@ def train(cfg: DFlashTrainConfig) -> int:
         # --- target (frozen) ------------------------------------------------------------------
         target_dtype = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[target_dtype]
-        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
+        # Under FSDP each process reads only its own shards of the target (TrainRun).
+        target, tokenizer = run.load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
         target = run.place_target(target.requires_grad_(False).eval())  # sharded under FSDP
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
         if cfg.feature_layers is not None and max(cfg.feature_layers) >= num_layers:
@@ -299,12 +300,15 @@ def train(cfg: DFlashTrainConfig) -> int:
             allow=cfg.allow_little_data,
         )
         train_set = torch.utils.data.Subset(src.dataset, train_idx)
-        loader = torch.utils.data.DataLoader(
+        # Workers read (and pad) cached features ahead of the step; length-grouped batches
+        # unless group_by_length is off. GPU: batches copied without waiting for the device.
+        loader = train_loader(
             train_set,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            collate_fn=src.collate,
-            pin_memory=run.pin_memory,  # GPU: batches copied without waiting for the device
+            cfg,
+            src.collate,
+            device=accelerator.device,
+            processes=accelerator.num_processes,
+            pin_memory=run.pin_memory,
         )
         val_loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(src.dataset, val_idx),

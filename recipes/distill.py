@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..heads.draft_lm import install_loss_head
 from ..train.config import cfg_field, parse_config
 from ..train.core.config import TrainConfig
 from ..train.core.data import (
@@ -58,6 +59,7 @@ from ..train.core.data import (
     rank_batches,
     split_indices,
     total_steps,
+    train_loader,
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation
@@ -68,6 +70,7 @@ from ..train.errors import UsageError, cli_main
 from ..train.features.source import batch_to_device
 from ..train.objectives.distill import (
     LOSSES,
+    distill_batch_loss,
     distill_loss,
     expected_acceptance,
     greedy_agreement,
@@ -108,7 +111,7 @@ class DistillConfig(TrainConfig):
         "layer (its tokens are the training records; data is not read)",
     )
     target_dtype: str = cfg_field(
-        "fp32",
+        "auto",
         help="target weights dtype (bf16: ~2x faster wide forwards on AVX512-BF16/AMX CPUs and "
         "GPUs; the draft keeps fp32 master weights); " + DTYPE_AUTO_HELP,
         choices=["auto", "fp32", "bf16"],
@@ -393,7 +396,7 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
     from ..train.features.source import feature_source, target_fingerprint
     from ..train.progress import progress
     from ..train.runinfo import run_info
-    from ..train.target_model.load import describe_target, load_target
+    from ..train.target_model.load import describe_target
 
     with TrainRun(
         cfg,
@@ -408,7 +411,12 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         # --- target, draft --------------------------------------------------------------------
         target_dtype = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[target_dtype]
-        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
+        # FSDP: decoder layers on the meta device until place_target reads this process's
+        # shards, except those a pruned draft copies.
+        pruned = (cfg.draft_layers or []) if cfg.draft_init == "pruned" else []
+        target, tokenizer = train_run.load_target(
+            cfg.target, cache_dir=cfg.cache_dir, dtype=dtype, whole_layers=pruned
+        )
         target.requires_grad_(False).eval()
         fresh = {
             "num_layers": cfg.fresh_layers,
@@ -431,6 +439,9 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
         except (ValueError, OSError) as exc:
             raise UsageError(f"draft: {exc}") from exc
         draft = draft.float().requires_grad_(True)  # fp32 master weights, whatever the target's
+        # The head applies the loss chunk by chunk inside the draft's forward (no [N, V] logits
+        # kept; FSDP gathers the weight there); same parameters, same names.
+        install_loss_head(draft)
         ratio = compute_ratio(draft, target)
         # After the draft copied what it needs from the whole target: sharded under FSDP.
         target = train_run.place_target(target)
@@ -515,12 +526,15 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                 f"{vocab_note['draft_vocab_coverage']:.2%} of supervised tokens; drafting over "
                 f"them costs {ratio:.3f}x the target's FLOPs per token"
             )
-        loader = torch.utils.data.DataLoader(
+        # Workers read (and pad) samples ahead of the step; length-grouped batches unless
+        # group_by_length is off. GPU: batches copied without waiting for the device.
+        loader = train_loader(
             train_set,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            collate_fn=partial(collate_hidden_states, pad_token_id=pad_id),
-            pin_memory=train_run.pin_memory,  # GPU: batches copied without waiting for the device
+            cfg,
+            partial(collate_hidden_states, pad_token_id=pad_id),
+            device=accelerator.device,
+            processes=accelerator.num_processes,
+            pin_memory=train_run.pin_memory,
         )
 
         # --- optimizer, prepare, schedule, resume ---------------------------------------------
@@ -615,12 +629,19 @@ def run(cfg: DistillConfig) -> dict[str, Any] | None:
                         # sync: sampling stops at EOS, which the host reads to cut the answers
                         batch = on_policy_batch(model, batch, cfg, pad_id, stop_ids)
                 with accelerator.accumulate(draft):
-                    p, q, labels = batch_logits(draft, target, batch)
-                    loss = step_loss(cfg, p, q, labels)
+                    loss, metrics = distill_batch_loss(
+                        draft,
+                        target,
+                        batch,
+                        cfg.loss,
+                        ce_weight=cfg.ce_weight,
+                        temperature=cfg.temperature,
+                        beta=cfg.jsd_beta,
+                        eta=cfg.lk_eta,
+                    )
                     accelerator.backward(loss)
                 train_run.watch(loss)
-                with torch.no_grad():
-                    sums += torch.stack([loss.detach().float(), expected_acceptance(p, q).float()])
+                sums += torch.stack([loss.detach().float(), metrics["expected_acceptance"].float()])
                 tokens += batch["attention_mask"].sum()
                 batches += 1
                 if not accelerator.sync_gradients:

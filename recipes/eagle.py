@@ -61,6 +61,7 @@ from ..train.core.data import (
     run_draft_vocab,
     split_indices,
     total_steps,
+    train_loader,
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import (
@@ -100,7 +101,7 @@ class EagleTrainConfig(TrainConfig):
         None, help="offline: cache directory written by `draftsmith data cache`"
     )
     target_dtype: str = cfg_field(
-        "fp32",
+        "auto",
         help="target weights dtype for online features and the label head (bf16: ~2x faster "
         "wide forwards on AVX512-BF16/AMX CPUs and GPUs; the drafter keeps fp32 master "
         "weights); " + DTYPE_AUTO_HELP,
@@ -220,7 +221,6 @@ def train(cfg: EagleTrainConfig) -> int:
     from ..train.objectives.eagle_ttt import eagle1_loss, eagle3_ttt_loss
     from ..train.progress import progress
     from ..train.runinfo import run_info
-    from ..train.target_model.load import load_target
 
     kind = "peagle" if cfg.parallel_drafting else f"eagle{cfg.version}"
     title = "P-EAGLE" if cfg.parallel_drafting else f"EAGLE-{cfg.version}"
@@ -231,7 +231,8 @@ def train(cfg: EagleTrainConfig) -> int:
         # --- target (frozen) ------------------------------------------------------------------
         target_dtype = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[target_dtype]
-        target, tokenizer = load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
+        # FSDP: decoder layers on the meta device, each process reads its own shards below.
+        target, tokenizer = run.load_target(cfg.target, cache_dir=cfg.cache_dir, dtype=dtype)
         target = run.place_target(target.requires_grad_(False).eval())  # sharded under FSDP
         num_layers, vocab = target.config.num_hidden_layers, target.config.vocab_size
         if cfg.feature_layers is not None and max(cfg.feature_layers) > num_layers:
@@ -316,12 +317,15 @@ def train(cfg: EagleTrainConfig) -> int:
             allow=cfg.allow_little_data,
         )
         train_set = torch.utils.data.Subset(src.dataset, train_idx)
-        loader = torch.utils.data.DataLoader(
+        # Workers read (and pad) cached features ahead of the step; length-grouped batches
+        # unless group_by_length is off. GPU: batches copied without waiting for the device.
+        loader = train_loader(
             train_set,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            collate_fn=src.collate,
-            pin_memory=run.pin_memory,  # GPU: batches copied without waiting for the device
+            cfg,
+            src.collate,
+            device=accelerator.device,
+            processes=accelerator.num_processes,
+            pin_memory=run.pin_memory,
         )
         val_loader = torch.utils.data.DataLoader(
             torch.utils.data.Subset(src.dataset, val_idx),
@@ -453,8 +457,12 @@ def train(cfg: EagleTrainConfig) -> int:
         while not run.finished(step, total):
             for batch in run.position.batches_of_epoch(accelerator, loader):
                 batch = src.complete(batch, accelerator.device)
+                # One autocast region around the whole unroll: the drafter's forward is called
+                # once per TTT step, and each call's own region would cast (and keep for the
+                # backward) its own bf16 copy of every weight -- 0.5 GB a step at 8B widths.
                 with accelerator.accumulate(drafter):
-                    loss, metrics = loss_fn(batch)
+                    with accelerator.autocast():
+                        loss, metrics = loss_fn(batch)
                     accelerator.backward(loss)
                 run.watch(loss)
                 tokens_seen += batch["attention_mask"].sum()

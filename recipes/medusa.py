@@ -63,6 +63,7 @@ from ..train.core.data import (
     rank_batches,
     split_indices,
     total_steps,
+    train_loader,
 )
 from ..train.core.dist import exit_process
 from ..train.core.run import TrainRun, held_out_validation
@@ -123,7 +124,6 @@ class MedusaConfig(TrainConfig):
     hidden_states_cache: Path | None = cfg_field(
         None, help="offline: cache dir from `draftsmith data cache --preset medusa`"
     )
-    num_workers: int = cfg_field(0, help="DataLoader worker processes", ge=0)
     # --- heads and loss ----------------------------------------------------------------------
     num_heads: int = cfg_field(4, help="Medusa heads K (head k predicts token t+k+2)", ge=1)
     num_layers: int = cfg_field(1, help="residual layers per head", ge=1)
@@ -254,7 +254,7 @@ def validate_heads(run, cfg, objective, val_set, collate, features) -> dict[str,
 
 def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     """Run the recipe; returns the final metrics (None when stopped early with a checkpoint)."""
-    from torch.utils.data import DataLoader, Subset
+    from torch.utils.data import Subset
 
     from ..train.data.batching import TokenDataset, collate_hidden_states
     from ..train.data.chat import template_fingerprint
@@ -269,7 +269,7 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
     )
     from ..train.progress import progress
     from ..train.runinfo import run_info
-    from ..train.target_model.load import load_target, prepare_target
+    from ..train.target_model.load import prepare_target
 
     medusa2 = cfg.stage == "medusa2"
     outputs = [HEADS_SUBDIR, METRICS_FILE, TARGET_SUBDIR]
@@ -290,7 +290,8 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
         # --- target (frozen) ------------------------------------------------------------------
         target_path = prepare_target(cfg.target, cache_dir=cfg.cache_dir, quiet=not run.is_main)
         dtype_name = auto_dtype(cfg.target_dtype, accelerator.device, fast="bf16", slow="fp32")
-        target, tokenizer = load_target(target_path, dtype=DTYPES[dtype_name])
+        # FSDP: decoder layers on the meta device until place_target reads this process's shards.
+        target, tokenizer = run.load_target(target_path, dtype=DTYPES[dtype_name])
         feature_layer = int(target.config.num_hidden_layers)  # final normed output (heads.base)
         tokens, summary = None, None
         if cfg.data is not None:
@@ -464,13 +465,15 @@ def train(cfg: MedusaConfig) -> dict[str, Any] | None:
                 batch = held_src.complete(batch, accelerator.device)
                 return batch["hidden_states"][feature_layer], batch["loss_mask"], lm_head
 
-        loader = DataLoader(
+        # Workers read (and pad) cached features ahead of the step; length-grouped batches
+        # unless group_by_length is off. GPU: batches copied without waiting for the device.
+        loader = train_loader(
             train_set,
-            batch_size=cfg.batch_size,
-            shuffle=True,
-            collate_fn=collate,
-            num_workers=cfg.num_workers,
-            pin_memory=run.pin_memory,  # GPU: batches copied without waiting for the device
+            cfg,
+            collate,
+            device=accelerator.device,
+            processes=accelerator.num_processes,
+            pin_memory=run.pin_memory,
         )
 
         # --- optimizer, prepare, schedule, resume ---------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.train.objectives.acceptance import DRAFT_LOSSES, draft_loss
+from draftsmith.train.objectives.acceptance import DRAFT_LOSSES, draft_head_loss, draft_loss
 from draftsmith.train.objectives.distill import expected_acceptance
 
 
@@ -88,3 +88,20 @@ def test_lk_losses_reach_a_higher_acceptance_than_kl_under_limited_capacity(kind
 
     kl_alpha, lk_alpha = train("kl"), train(kind)
     assert lk_alpha > kl_alpha + margin, (kind, lk_alpha, kl_alpha)
+
+
+@pytest.mark.parametrize("kind", DRAFT_LOSSES)
+def test_the_chunked_head_loss_is_draft_loss_of_the_heads_logits(kind):
+    """draft_head_loss(hidden, W) = draft_loss(hidden @ W.T): value, metrics, gradients, and
+    masked positions still get no gradient (tests/test_chunked_loss.py has the full sweep)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 5, 4, generator=g, requires_grad=True)
+    weight = torch.randn(11, 4, generator=g, requires_grad=True)
+    _, p, mask = _case(3)
+    loss, ce, alpha, _ = draft_head_loss(kind, hidden, weight, mask, p=p, chunk_rows=3)
+    want = draft_loss(kind, hidden @ weight.T, p, mask)
+    for got, ref in zip((loss, ce, alpha), want, strict=True):
+        torch.testing.assert_close(got, ref)
+    (grad,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    assert torch.all(grad[~mask] == 0) and grad[mask].abs().sum() > 0
+    torch.testing.assert_close(grad, torch.autograd.grad(want[0], hidden)[0])

@@ -1,6 +1,6 @@
 """Every shipped YAML config loads into its recipe's config class, and its header says, in
-commands that parse, how to make exactly the data it reads; a missing input is one line that
-says which command makes it."""
+commands that parse, how to make exactly the data it reads and how to launch it; a missing
+input is one line that says which command makes it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from draftsmith.recipes.cli import (
     COMMAND_CONFIGS,
@@ -25,7 +26,7 @@ from draftsmith.recipes.medusa import MedusaConfig
 from draftsmith.train.config import add_config_arguments, load_config
 from draftsmith.train.core.data import check_inputs
 from draftsmith.train.errors import UsageError
-from tests.config_headers import data_commands, header_commands
+from tests.config_headers import Launch, data_commands, header_commands, launch_commands
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "recipes" / "configs"
@@ -45,6 +46,11 @@ def _recipe(path: Path) -> str:
     recipe = next((name for name in CLASSES if path.stem.startswith(name)), None)
     assert recipe is not None, f"{path.name}: no config class registered for it in this test"
     return recipe
+
+
+def _target(path: Path) -> str | None:
+    """The target a training config names (None: the default, SmolLM2-135M-Instruct)."""
+    return load_config(CLASSES[_recipe(path)], path).target
 
 
 def _flags(argv: list[str]) -> list[str]:
@@ -86,7 +92,8 @@ def test_every_command_has_a_parse_only_config():
 def test_header_commands_make_the_configs_data(path, monkeypatch):
     """The header's data commands parse with their own parsers (no target, nothing run), each
     reads what the one before wrote, and they write exactly the paths the config reads; the
-    header's train command trains this very config."""
+    answers, tokens and features come from the config's own target; the header's train and
+    launch commands train this very config."""
     monkeypatch.chdir(REPO)  # the headers' relative paths are from the repository root
     recipe = _recipe(path)
     cfg = load_config(CLASSES[recipe], path)
@@ -111,6 +118,14 @@ def test_header_commands_make_the_configs_data(path, monkeypatch):
     assert data[0][:2] == ["data", "prompts"], "the data starts with prompts the project makes"
     assert data[1][:2] == ["data", "distill"], "then the target's own answers"
     assert data == data_commands(path), "every data command sits in the `# data commands:` block"
+    # Self-distillation: the answers (and their tokens and features) are the target's own; the
+    # prompts, only questions, may come from another model, but not from the default SmolLM2
+    # when the config trains for another target.
+    for argv in data[1:]:
+        made_by = parse_command(argv).target
+        assert made_by == cfg.target, f"{path.name}: `{shlex.join(argv[:2])}` uses {made_by}"
+    if cfg.target is not None:
+        assert parse_command(data[0]).target is not None, f"{path.name}: SmolLM2 writes prompts"
 
     # The config's data fields are what the commands write (`~` expanded on both sides).
     for field in ("data", "hidden_states_cache"):
@@ -120,19 +135,56 @@ def test_header_commands_make_the_configs_data(path, monkeypatch):
     reads = [Path(p) for p in cfg.input_paths().values() if p is not None]
     assert outputs[-1] in reads, f"{path.name}: the last command writes {outputs[-1]}, not {reads}"
 
-    assert len(train) == 1, f"{path.name}: the header should end with its train command"
-    assert train[0][1] == {"peagle": "eagle"}.get(recipe, recipe)
-    trained = parse_command(train[0])
+    launches = launch_commands(path)
+    assert len(train) <= 1 and train + launches, f"{path.name}: no train or launch command"
+    for argv in train:
+        assert argv[1] == {"peagle": "eagle"}.get(recipe, recipe)
+        trained = parse_command(argv)
+        assert type(trained) is CLASSES[recipe]
+        assert (REPO / argv[argv.index("--config") + 1]).resolve() == path.resolve()
+    sharded = [launch for launch in launches if _launcher(launch)["distributed_type"] == "FSDP"]
+    if path.stem.endswith("_fsdp"):
+        # A target that needs FSDP does not fit one process: no single-process train line.
+        assert sharded and not train, f"{path.name}: launched without an FSDP config"
+    else:
+        assert not sharded, f"{path.name}: an FSDP launch; name it *_fsdp.yaml"
+    for launch in launches:
+        _check_launch(path, recipe, launch)
+
+
+def _launcher(launch: Launch) -> dict:
+    """The accelerate config a launch line names (it must exist in the repository)."""
+    file = REPO / launch.options["--config_file"]
+    assert file.is_file(), f"{launch.options['--config_file']}: no such accelerate config"
+    return yaml.safe_load(file.read_text(encoding="utf-8"))
+
+
+def _check_launch(path: Path, recipe: str, launch: Launch) -> None:
+    """An ``accelerate launch`` line runs this recipe's file on this config, with flags its
+    config class parses, under an accelerate config for several processes."""
+    name = {"peagle": "eagle"}.get(recipe, recipe)
+    assert launch.script == f"recipes/{name}.py", f"{path.name}: launches {launch.script}"
+    assert (REPO / launch.script).is_file()
+    assert set(launch.options) <= {"--config_file", "--num_processes", "--num_machines"}
+    launcher = _launcher(launch)
+    assert launcher["distributed_type"] in {"MULTI_GPU", "FSDP"}, launcher["distributed_type"]
+    trained = parse_command(["train", name, *launch.args])
     assert type(trained) is CLASSES[recipe]
-    assert (REPO / train[0][train[0].index("--config") + 1]).resolve() == path.resolve()
+    assert (REPO / launch.args[launch.args.index("--config") + 1]).resolve() == path.resolve()
 
 
 def test_shipped_configs_share_one_distilled_file():
-    """Every training config starts from the same prompts and answers, made by the commands the
-    README's "Training drafters" shows before its train commands."""
-    shared = {shlex.join(a) for path in TRAINING for a in data_commands(path)[:2]}
-    assert len(shared) == 2, shared  # one prompts command, one distill command
-    first = data_commands(TRAINING[0])[:2]
+    """The training configs of one target start from the same prompts and answers; the default
+    target's (SmolLM2) are made by the commands the README's "Training drafters" shows before its
+    train commands."""
+    by_target: dict[str | None, list[Path]] = {}
+    for path in TRAINING:
+        by_target.setdefault(_target(path), []).append(path)
+    assert None in by_target, "no config for the default target"
+    for target, paths in by_target.items():
+        shared = {shlex.join(a) for path in paths for a in data_commands(path)[:2]}
+        assert len(shared) == 2, (target, shared)  # one prompts command, one distill command
+    first = data_commands(by_target[None][0])[:2]
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Training drafters", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]

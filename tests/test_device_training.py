@@ -187,10 +187,10 @@ def test_distill_logs_the_window_means_of_its_micro_batch_metrics(
 
     import draftsmith.recipes.distill as recipe
 
-    losses: list = []
-    accs: list = []
-    _recorded(monkeypatch, recipe, "distill_loss", losses, lambda *a, **k: torch.is_grad_enabled())
-    _recorded(monkeypatch, recipe, "expected_acceptance", accs)
+    seen: list = []
+    _recorded(
+        monkeypatch, recipe, "distill_batch_loss", seen, lambda *a, **k: torch.is_grad_enabled()
+    )
     argv = [
         *("--target", str(tiny_target_dir), "--data", str(write_records(tmp_path / "d.jsonl"))),
         *("--output-dir", str(tmp_path / "run"), "--max-steps", "4", "--batch-size", "2"),
@@ -199,8 +199,8 @@ def test_distill_logs_the_window_means_of_its_micro_batch_metrics(
     ]
     assert recipe.main(argv) == 0
     per_batch = [
-        {"loss": float(loss.detach()), "expected_acceptance": float(acc)}
-        for loss, acc in zip(losses, accs, strict=True)
+        {"loss": float(loss.detach()), "expected_acceptance": float(m["expected_acceptance"])}
+        for loss, m in seen
     ]
     assert len(per_batch) == 4
     log = json.loads((tmp_path / "run" / "training_metrics.json").read_text())["train_log"]
@@ -342,12 +342,16 @@ def _fake_gpu_processes(monkeypatch):
 def test_threads_apply_to_cpu_runs_only(tmp_path, monkeypatch, capsys):
     before = torch.get_num_threads()
     try:
-        with _run(tmp_path, threads=before + 1) as run:
+        # Both runs in one process share accelerate's state: the same mixed precision for the
+        # CPU and the stand-in GPU (whose `auto` would resolve otherwise).
+        with _run(tmp_path, threads=before + 1, mixed_precision="no") as run:
             assert torch.get_num_threads() == before + 1
             assert not run.pin_memory
         torch.set_num_threads(before)
         _fake_gpu_processes(monkeypatch)
-        with _run(tmp_path, threads=before + 1, overwrite=True, resume=False) as run:
+        with _run(
+            tmp_path, threads=before + 1, overwrite=True, resume=False, mixed_precision="no"
+        ) as run:
             assert torch.get_num_threads() == before
             assert run.pin_memory  # batches copied without waiting for the GPU
         assert "note: threads is for CPU runs" in capsys.readouterr().out

@@ -8,13 +8,19 @@ import math
 import pytest
 import torch
 
-from draftsmith.heads.draft_lm import check_vocab_compatible, layer_pruned_copy
+from draftsmith.heads.draft_lm import (
+    check_vocab_compatible,
+    install_loss_head,
+    layer_pruned_copy,
+)
 from draftsmith.recipes.cli import main as cli
 from draftsmith.recipes.distill import DistillConfig, batch_logits, step_loss
 from draftsmith.train.config import ConfigError, load_config, parse_config
 from draftsmith.train.export.hf import export_hf, save_draft
 from draftsmith.train.objectives.distill import (
     cross_entropy,
+    distill_batch_loss,
+    distill_head_loss,
     distill_loss,
     expected_acceptance,
     forward_kl,
@@ -437,3 +443,133 @@ def test_shipped_smollm2_config_loads_and_is_a_quarter_of_the_target():
     for context in (0, 128, 512):
         assert compute_ratio(draft, smollm2, context) <= 0.25
     assert math.isclose(per_token_flops(smollm2) / 1e6, 268.96, rel_tol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# The chunked head + loss (distill_head_loss, distill_batch_loss): the same values and
+# gradients as distill_loss on the logits, and no [N, V] tensor kept for the backward
+# --------------------------------------------------------------------------------------------
+
+
+def _rows_case(seed=0, n=11, h=8, v=29):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).requires_grad_(True)
+    weight = torch.randn(v, h, generator=g).requires_grad_(True)
+    p_hidden = torch.randn(n, h, generator=g)
+    p_weight = 1.5 * torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, p_hidden, p_weight, labels
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "tvd", "jsd", "lk_hybrid"])
+@pytest.mark.parametrize(("temperature", "ce_weight"), [(1.0, 0.0), (2.0, 0.3), (0.7, 1.0)])
+@pytest.mark.parametrize("masked", ["all", "some", "none"])
+def test_distill_head_loss_equals_distill_loss(kind, temperature, ce_weight, masked):
+    hidden, weight, p_hidden, p_weight, labels = _rows_case()
+    mask = {
+        "all": None,
+        "some": torch.rand(11, generator=torch.Generator().manual_seed(3)) > 0.4,
+        "none": torch.zeros(11, dtype=torch.bool),
+    }[masked]
+    kw = {"labels": labels, "ce_weight": ce_weight, "temperature": temperature, "beta": 0.3}
+    loss, metrics = distill_head_loss(
+        kind, hidden, weight, p_hidden, lambda x: x @ p_weight.T, mask, chunk_rows=4, **kw
+    )
+    p_logits, q_logits = p_hidden @ p_weight.T, hidden @ weight.T
+    want = distill_loss(kind, p_logits, q_logits, mask, eta=3.0, **kw)
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(
+        metrics["expected_acceptance"], expected_acceptance(p_logits, q_logits.detach(), mask)
+    )
+    torch.testing.assert_close(
+        metrics["greedy_agreement"], greedy_agreement(p_logits, q_logits.detach(), mask)
+    )
+    if masked == "none":
+        assert float(loss.detach()) == 0.0
+    got = torch.autograd.grad(loss, [hidden, weight], retain_graph=True)
+    for a, b in zip(got, torch.autograd.grad(want, [hidden, weight]), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _distill_batch(seed=1, b=3, t=16, vocab=64):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    attn = torch.ones_like(ids)
+    if b > 1:
+        attn[1, -5:] = 0  # right padding
+    loss_mask = torch.cat([torch.zeros(b, 4), torch.ones(b, t - 4)], 1).long() * attn
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+
+
+@pytest.mark.parametrize(("kind", "ce_weight"), [("fkl", 0.0), ("jsd", 0.2), ("lk_hybrid", 0.0)])
+@pytest.mark.parametrize("offline", [False, True])
+def test_distill_batch_loss_equals_the_recipes_dense_step(target, kind, ce_weight, offline):
+    """The draft's head applied inside its forward (LossHead) gives what the recipe's
+    batch_logits + step_loss gave: loss, expected acceptance, every draft gradient."""
+    cfg = DistillConfig(data="x", loss=kind, ce_weight=ce_weight, temperature=1.5)
+    draft = pruned_draft(target, [0, 2])
+    batch = _distill_batch()
+    if offline:
+        with torch.no_grad():
+            final = target(batch["input_ids"], output_hidden_states=True).hidden_states[-1]
+        batch["hidden_states"] = {4: final}
+    p, q, labels = batch_logits(draft, target, batch)
+    want = step_loss(cfg, p, q, labels)
+    params = [x for x in draft.parameters() if x.requires_grad]
+    want_grads = torch.autograd.grad(want, params)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    head = install_loss_head(draft)
+    assert install_loss_head(draft) is head  # idempotent
+    assert draft.state_dict().keys() == before.keys()  # checkpoints and exports unchanged
+    loss, metrics = distill_batch_loss(
+        draft, target, batch, kind, ce_weight=ce_weight, temperature=1.5, chunk_rows=5
+    )
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(metrics["expected_acceptance"], expected_acceptance(p, q.detach()))
+    torch.testing.assert_close(metrics["greedy_agreement"], greedy_agreement(p, q.detach()))
+    for a, b in zip(torch.autograd.grad(loss, params), want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # Outside distill_batch_loss the head is a plain lm_head again.
+    with torch.no_grad():
+        torch.testing.assert_close(batch_logits(draft, target, batch)[1], q.detach())
+
+
+def batch_inputs(batch):
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def test_install_loss_head_keeps_a_tied_weight_tied_and_refuses_other_heads():
+    model = tiny_llama(seed=4)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    head = install_loss_head(model)
+    assert head.weight is model.model.embed_tokens.weight
+    assert model.get_output_embeddings() is head
+    model.lm_head = torch.nn.Identity()
+    with pytest.raises(TypeError, match=r"not an nn\.Linear"):
+        install_loss_head(model)
+    with pytest.raises(ValueError, match="install_loss_head"):
+        distill_batch_loss(tiny_llama(), tiny_llama(), _distill_batch(), "fkl")
+
+
+def test_a_distill_loss_keeps_no_t_by_v_tensor():
+    """The distillation step's saved tensors: the dense loss on the logits keeps [N, V]
+    log-probabilities (the recipe's path before), distill_batch_loss nothing of that size."""
+    from tests.test_chunked_loss import WIDE_H, WIDE_T, WIDE_V, _big, saved_tensors
+
+    target = tiny_llama(vocab_size=WIDE_V, hidden_size=WIDE_H, layers=2, seed=3)
+    draft = pruned_draft(target, [0])
+    batch = _distill_batch(b=1, t=WIDE_T, vocab=WIDE_V)
+    batch["loss_mask"][:] = 1
+    n = WIDE_T - 1
+    with saved_tensors() as saved:
+        p, q, _ = batch_logits(draft, target, batch)
+        dense = distill_loss("lk_hybrid", p, q)
+    assert _big(saved, n, WIDE_V)  # the control: the dense path keeps [N, V] tensors
+    dense.backward()
+    install_loss_head(draft)
+    with saved_tensors() as saved:
+        loss, _ = distill_batch_loss(draft, target, batch, "lk_hybrid", ce_weight=0.5)
+    assert saved and _big(saved, n, WIDE_V) == []
+    loss.backward()

@@ -310,6 +310,10 @@ def _pause_and_resume(tmp_path: Path, target_dir: Path, launch: str) -> dict:
         "0.5",
         "--report-to",
         "wandb",
+        "--target-dtype",  # fp32: the 1e-4 below is fp32's summation-order difference
+        "fp32",
+        "--mixed-precision",
+        "no",
     )
     config = {"ddp": "cpu_2proc.yaml", "fsdp": "fsdp_cpu_2proc.yaml"}[launch]
     first = _launch(*argv, "--stop-after-steps", "2", cwd=tmp_path, config=config)

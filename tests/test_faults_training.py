@@ -122,7 +122,9 @@ def test_second_signal_exits_at_once_and_keeps_checkpoints(tmp_path, tiny_target
 def test_nan_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(
     tmp_path, tiny_target_dir, capsys
 ):
+    # fp32 (the defaults are bf16 where native): lr 1e6 overflows fp32 within 20 steps.
     argv = eagle_args(tmp_path, tiny_target_dir, version=3, lr=1e6, save_every=1, max_steps=20)
+    argv += ["--target-dtype", "fp32", "--mixed-precision", "no"]
     assert eagle(argv) == 1
     line = one_error_line(capsys.readouterr().err)
     assert "non-finite loss or gradient at step" in line and "checkpoints/step_" in line
@@ -148,17 +150,17 @@ def test_on_nonfinite_skip_counts_and_goes_on(tmp_path, tiny_target_dir, monkeyp
     import draftsmith.recipes.distill as recipe
 
     calls = {"n": 0}
-    real = recipe.distill_loss
+    real = recipe.distill_batch_loss
 
     def loss_with_one_nan(*args, **kwargs):
-        loss = real(*args, **kwargs)
+        loss, metrics = real(*args, **kwargs)
         if torch.is_grad_enabled():
             calls["n"] += 1
             if calls["n"] == 3:
-                return loss * float("nan")
-        return loss
+                return loss * float("nan"), metrics
+        return loss, metrics
 
-    monkeypatch.setattr(recipe, "distill_loss", loss_with_one_nan)
+    monkeypatch.setattr(recipe, "distill_batch_loss", loss_with_one_nan)
     argv = [
         "--target",
         str(tiny_target_dir),

@@ -1,6 +1,7 @@
 """FSDP2 under ``accelerate launch`` on 2 CPU processes: the EAGLE recipe trains, saves and
 resumes with the target and the drafter sharded, and its losses equal the DDP run's. (Medusa-1
-and distill: the same check in tests/test_medusa_recipe.py and tests/test_distill_recipe.py.)"""
+and distill: the same check in tests/test_medusa_recipe.py and tests/test_distill_recipe.py;
+the target's shard-by-shard loading: tests/test_fsdp_loading.py.)"""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def _args(tmp_path: Path, target_dir: Path, out: str, **over) -> list[str]:
         "save_every": 2,
         "log_every": 2,
         "eval_every": 3,
+        "target_dtype": "fp32",  # RTOL is fp32's summation-order difference (the defaults
+        "mixed_precision": "no",  # are bf16 where the device computes it natively)
     }
     values.update(over)
     return [*base_args(tmp_path, target_dir, 3, **values), "--no-progress"]
@@ -53,6 +56,8 @@ def test_fsdp_trains_resumes_and_matches_ddp(tmp_path, tiny_target_dir):
     # FSDP, first invocation: paused after 4 steps (same schedule as an unbroken 6-step run).
     proc = launch_eagle(FSDP_CONFIG, _args(tmp_path, tiny_target_dir, "fsdp", stop_after_steps=4))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The target was read shard by shard (tests/test_fsdp_loading.py), not loaded whole.
+    assert "loads the whole target" not in proc.stdout + proc.stderr
     fsdp = tmp_path / "fsdp"
     step_4 = fsdp / "checkpoints" / "step_4"
     # An FSDP checkpoint: sharded state dicts (DCP) for the drafter and its optimizer, no

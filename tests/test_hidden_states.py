@@ -7,7 +7,7 @@ import os
 import pickle
 import shutil
 import subprocess
-from collections import namedtuple
+from collections import Counter, namedtuple
 from pathlib import Path
 
 import pytest
@@ -308,6 +308,28 @@ def test_online_features_can_feed_a_trained_layer(model, samples):
         compute_hidden_states(model, batch, [5])
 
 
+def test_cache_of_shallow_layers_runs_neither_deeper_layers_nor_the_head(samples, tmp_path):
+    """The cache's forwards keep only the cached layers and stop after the deepest one (issue
+    50, item 3): caching layers 0 and 1 of a 4-layer target runs layer 0 only."""
+    model = tiny_llama(seed=0, init_std=0.1)
+    ran = Counter()
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.update([i]))
+    model.model.norm.register_forward_hook(lambda *_: ran.update(["norm"]))
+    model.lm_head.register_forward_hook(lambda *_: ran.update(["head"]))
+    summary = build_cache(
+        model, samples, tmp_path / "c", [0, 1], dtype="fp32", batch_tokens=160, progress=False
+    )
+    assert summary["num_samples"] == len(samples)
+    assert set(ran) == {0} and ran[0] > 1  # one call per forward, of layer 0 only
+    cache = HiddenStateCache(tmp_path / "c")
+    for i in (0, 7, 23):
+        ref = reference(model, samples[i], [0, 1])
+        for layer in (0, 1):
+            got = cache[i]["hidden_states"][layer]
+            torch.testing.assert_close(got, ref[layer], atol=1e-5, rtol=1e-5)
+
+
 def test_feature_source_errors(samples, tmp_path):
     with pytest.raises(ValueError, match="'online' or 'offline'"):
         feature_source("cached", layers=[4])
@@ -539,6 +561,20 @@ with torch.no_grad():
 keep = batch["attention_mask"].bool()
 for layer in (2, 4):
     torch.testing.assert_close(feats[layer][keep], out.hidden_states[layer][keep])
+# Shallow layers under FSDP: the forward runs to its end (stopping it half way would leave
+# FSDP's forward state half done), the capture hooks go away, and the next forward is whole.
+hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+shallow = compute_hidden_states(model, batch, [0, 1])
+# FSDP2's own bookkeeping (private; skipped if it moves): the root's forward has completed.
+state = getattr(model, "_get_fsdp_state", lambda: None)()
+if hasattr(state, "_training_state"):
+    assert state._training_state.name == "IDLE", state._training_state
+again = compute_hidden_states(model, batch, [2, 4])
+assert hooks == [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()]
+for layer in (0, 1):
+    torch.testing.assert_close(shallow[layer][keep], out.hidden_states[layer][keep])
+for layer in (2, 4):
+    assert torch.equal(again[layer], feats[layer])
 head = torch.nn.Linear(32, 8)
 head(feats[4]).square().mean().backward()  # the drafter trains on the sharded target's features
 try:

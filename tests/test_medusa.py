@@ -755,3 +755,147 @@ def test_draft_vocab_exports_the_full_vocabulary_equivalent(target, tmp_path, sh
         pa = a.propose(prompt, 3, SamplingParams(), None)
         pb = b.propose(prompt, 3, SamplingParams(), None)
         assert pa.tokens.tolist() == pb.tokens.tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# The chunked head + loss (train/objectives/chunked_loss.py): the same values and gradients as
+# the dense losses, and no [n, V] tensor kept for the backward
+# --------------------------------------------------------------------------------------------
+
+
+def _dense_medusa_losses(heads, hidden, input_ids, loss_mask, labels, teacher, head_loss):
+    """medusa_head_losses' loss and metrics as they were (full logits per head), copied."""
+    from draftsmith.train.data.vocab import t2d_index
+    from tests.test_chunked_loss import old_draft_loss
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    per_head = []
+    to_draft = t2d_index(heads.t2d) if heads.reduced else None
+    vocab_ids = heads.vocab_ids() if heads.reduced else None
+    for k, w in enumerate([0.8**k for k in range(heads.num_heads)]):
+        b, t = head_label_positions(loss_mask, k)
+        logits = heads.head_logits(k, hidden[b, t]).float()
+        if labels == "data":
+            target_ids, soft = input_ids[b, t + k + 2], None
+        else:
+            with torch.no_grad():
+                teacher_logits = teacher(hidden[b, t + k + 1].detach()).float()
+            target_ids, soft = teacher_logits.argmax(-1), None
+            if labels == "target_soft":
+                if vocab_ids is not None:
+                    teacher_logits = teacher_logits.index_select(-1, vocab_ids)
+                soft = teacher_logits.softmax(-1)
+        if soft is not None and head_loss != "kl":
+            every = torch.ones(1, soft.shape[0], dtype=torch.bool)
+            loss_k = old_draft_loss(head_loss, logits[None], soft[None], every)[0]
+        elif soft is not None:
+            loss_k = -(soft * logits.log_softmax(-1)).sum(-1).mean()
+        elif to_draft is None:
+            loss_k = torch.nn.functional.cross_entropy(logits, target_ids)
+        else:
+            draft_ids = to_draft[target_ids]
+            loss_k = torch.nn.functional.cross_entropy(
+                logits, draft_ids, ignore_index=-1, reduction="sum"
+            ) / (draft_ids >= 0).sum().clamp_min(1)
+        total = total + w * loss_k
+        top = heads.target_ids(logits.topk(min(5, logits.shape[-1]), dim=-1).indices)
+        hit = top == target_ids[:, None]
+        per_head.append((loss_k.detach(), hit[:, 0].sum(), hit.any(-1).sum()))
+    return total, per_head
+
+
+_COMBINATIONS = [("data", "kl"), ("target", "kl")] + [
+    ("target_soft", kind) for kind in ("kl", "tv", "nla", "lk_hybrid")
+]
+
+
+@pytest.mark.parametrize(("labels", "head_loss"), _COMBINATIONS)
+@pytest.mark.parametrize(("share", "draft_vocab"), [(False, None), (True, None), (False, 24)])
+def test_head_losses_equal_the_dense_losses(target, labels, head_loss, share, draft_vocab):
+    """Every head_labels x head_loss combination the recipe allows, shared head or not, full or
+    draft vocabulary: the loss, each head's loss, top-1/top-5 hits and the gradients."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (2, 20), generator=g)
+    mask = torch.zeros_like(ids)
+    mask[:, 5:] = 1
+    mask[1, 15:] = 0
+    hidden = final_hidden(target, ids)
+    maps = {}
+    if draft_vocab:
+        d2t, t2d = draft_vocab_maps(draft_vocab)
+        maps = {"d2t": d2t, "t2d": t2d}
+    heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1, share_lm_head=share, **maps)
+    heads = perturbed(heads, scale=0.2)
+    teacher = target.get_output_embeddings()
+    out = medusa_head_losses(
+        heads, hidden, ids, mask, labels=labels, teacher=teacher, head_loss=head_loss
+    )
+    want, per_head = _dense_medusa_losses(heads, hidden, ids, mask, labels, teacher, head_loss)
+    torch.testing.assert_close(out["loss"], want)
+    for k, (loss_k, c1, c5) in enumerate(per_head):
+        torch.testing.assert_close(out["head_loss"][k], loss_k)
+        assert out["correct1"][k] == c1 and out["correct5"][k] == c5
+    params = [p for p in heads.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out["loss"], params, retain_graph=True)
+    ref = torch.autograd.grad(want, params)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def draft_vocab_maps(n: int):
+    counts = torch.randint(0, 100, (V,), generator=torch.Generator().manual_seed(1))
+    return draft_vocab(counts, n)
+
+
+@pytest.mark.parametrize("target_loss", ["lm", "kl"])
+def test_medusa2_target_loss_equals_the_dense_loss(target, target_loss):
+    """Medusa-2's next-token CE / KL(original ‖ adapted) on the adapted target's lm_head."""
+    model = add_lora(copy.deepcopy(target), r=4, alpha=8, dropout=0.0)
+    with torch.no_grad():  # adapters away from B = 0, so the two targets differ
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(n)))
+    heads = MedusaHeads.from_target(target, num_heads=2, num_layers=1)
+    objective = Medusa2Objective(model, heads, target_loss=target_loss, head_weight=0.5)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(2))
+    attn, mask = torch.ones_like(ids), torch.ones_like(ids)
+    mask[0, :6] = 0
+    out = objective(ids, attn, mask)
+    # The reference: the former lines on the full logits.
+    lm_head = model.get_output_embeddings()
+    hidden = objective._hidden(ids, attn)
+    b, t = mask[:, 1:].bool().nonzero(as_tuple=True)
+    logits = lm_head(hidden[b, t]).float()
+    if target_loss == "lm":
+        want = torch.nn.functional.cross_entropy(logits, ids[b, t + 1])
+    else:
+        with torch.no_grad(), model.disable_adapter():
+            ref = lm_head(objective._hidden(ids, attn)[b, t]).float()
+        want = torch.nn.functional.kl_div(
+            logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="batchmean"
+        )
+    assert float(want.detach()) > 1e-4
+    torch.testing.assert_close(out["target_loss"], want.detach())
+    lora = [p for n, p in objective.named_parameters() if "lora_" in n]
+    heads_part = medusa_head_losses(heads, hidden, ids, mask, labels="data")["loss"]
+    got = torch.autograd.grad(out["loss"], lora, retain_graph=True)
+    ref = torch.autograd.grad(want + 0.5 * heads_part, lora)
+    for a, b_ in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-6)
+
+
+def test_a_medusa_loss_keeps_no_t_by_v_tensor():
+    """The tensors autograd keeps: nothing of n x V (logits, log-probabilities, soft labels)."""
+    from tests.test_chunked_loss import WIDE_H, WIDE_T, WIDE_V, _big, saved_tensors
+
+    wide = tiny_llama(vocab_size=WIDE_V, hidden_size=WIDE_H, layers=2, seed=3)
+    ids = torch.randint(0, WIDE_V, (1, WIDE_T), generator=torch.Generator().manual_seed(0))
+    hidden = final_hidden(wide, ids)
+    heads = MedusaHeads.from_target(wide, num_heads=2, num_layers=1)
+    for labels in ("data", "target_soft"):
+        with saved_tensors() as saved:
+            out = medusa_head_losses(
+                heads, hidden, ids, torch.ones_like(ids), labels=labels, teacher=wide.lm_head
+            )
+        assert saved and _big(saved, WIDE_T - 3, WIDE_V) == [], labels
+        out["loss"].backward()

@@ -77,9 +77,17 @@ def test_deep_positions_never_see_the_tokens_they_stand_for(tgt, data):
         original = drafter.forward
 
         def spy(*args, **kwargs):
-            hidden, lg = original(*args, **kwargs)
-            out.setdefault("steps", []).append(lg)
-            return hidden, lg
+            loss_fn = kwargs.get("head_fn")
+            if loss_fn is None:
+                hidden, lg = original(*args, **kwargs)
+                out.setdefault("steps", []).append(lg)
+                return hidden, lg
+
+            def head_fn(head_in, weight):  # the step's logits, as the loss's head makes them
+                out.setdefault("steps", []).append(head_in @ weight.T)
+                return loss_fn(head_in, weight)
+
+            return original(*args, **{**kwargs, "head_fn": head_fn})
 
         drafter.forward = spy
         try:

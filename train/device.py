@@ -15,6 +15,13 @@ on a GPU as on the CPU.
 Random numbers are drawn on the device of the tensors they feed (``torch.rand(...,
 device=cuda, generator=g)`` refuses a CPU generator): :func:`make_generator` builds one there.
 For a given seed and device the draws are reproducible; CPU and CUDA draw different streams.
+
+TF32 (:func:`allow_tf32`): a training run on CUDA lets fp32 matmuls and cuDNN convolutions use
+TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation; several times fp32's matmul rate
+on Ampere and later), set by ``TrainRun`` once its device is known and put back when the run
+ends. Evaluation does not: its fp32 run is the exactness check (any speculative output that
+differs from plain greedy decoding is an error), and TF32's rounding would turn the verify
+forward's other batch shape into flipped near-ties.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ __all__ = [
     "DEVICE_HELP",
     "DTYPE_AUTO_HELP",
     "DeviceTimer",
+    "allow_tf32",
     "auto_dtype",
     "device_facts",
     "device_problem",
@@ -40,7 +48,9 @@ __all__ = [
     "make_generator",
     "native_bf16",
     "resolve_device",
+    "restore_tf32",
     "synchronize",
+    "tf32_enabled",
 ]
 
 DEVICE_HELP = (
@@ -119,7 +129,8 @@ def device_facts(device: torch.device | str) -> dict[str, Any]:
 
     Returns:
         ``{"device": "cuda:0", "device_type": "cuda", "gpu_name": ..., "gpu_count": ...,
-        "cuda_version": ..., "gpu_memory_gib": ...}``; on the CPU just the first two.
+        "cuda_version": ..., "gpu_memory_gib": ..., "tf32": ...}`` (``tf32``: whether fp32
+        matmuls may use TF32 at the time, :func:`allow_tf32`); on the CPU just the first two.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -132,8 +143,49 @@ def device_facts(device: torch.device | str) -> dict[str, Any]:
             gpu_count=torch.cuda.device_count(),
             gpu_memory_gib=round(props.total_memory / 2**30, 1),
             cuda_version=torch.version.cuda,
+            tf32=tf32_enabled(),
         )
     return facts
+
+
+def tf32_enabled() -> bool:
+    """Whether fp32 matmuls on CUDA may use TF32 now (what a GPU result records)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def allow_tf32(device: torch.device | str) -> tuple[bool, bool] | None:
+    """Let fp32 matmuls and cuDNN convolutions use TF32 on a CUDA ``device``; nothing elsewhere.
+
+    TF32 keeps fp32's range with a 10-bit mantissa on the inputs of a matmul and accumulates in
+    fp32: the precision bf16 autocast already trades away, at several times fp32's rate on
+    Ampere and later GPUs. It matters for what stays fp32 on a GPU run: an fp32 target's
+    forward, and the matmuls autocast leaves in fp32.
+
+    The legacy flags (``torch.backends.cuda.matmul.allow_tf32``, ``cudnn.allow_tf32``) are the
+    ones set, on purpose: since torch 2.9, setting the per-backend ``fp32_precision`` makes a
+    later read of the legacy flags raise (accelerate and older code read them), and
+    ``torch.set_float32_matmul_precision("high")`` also switches oneDNN's CPU matmuls to TF32.
+
+    Args:
+        device: the device the run computes on.
+
+    Returns:
+        The previous ``(matmul, cudnn)`` flags, for :func:`restore_tf32`; None when ``device``
+        is not a CUDA device (the flags are left as they are).
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    previous = (bool(torch.backends.cuda.matmul.allow_tf32), bool(torch.backends.cudnn.allow_tf32))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return previous
+
+
+def restore_tf32(previous: tuple[bool, bool] | None) -> None:
+    """Put back the TF32 flags :func:`allow_tf32` returned (None: it changed nothing)."""
+    if previous is None:
+        return
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
 DTYPE_AUTO_HELP = (
@@ -155,6 +207,30 @@ def _cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+#: The CPU features a result records (what decides fp32 vs bf16 speed here).
+RECORDED_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "bf16", "sve")
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's model name and the features in :data:`RECORDED_CPU_FLAGS` it has."""
+    model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                    break
+    except OSError:
+        pass
+    flags = _cpu_flags()
+    return {
+        "cpu_model": model or platform.processor() or None,
+        "cpu_flags": [f for f in RECORDED_CPU_FLAGS if f in flags],
+        "cpu_native_bf16": _cpu_native_bf16(),
+    }
 
 
 @functools.cache

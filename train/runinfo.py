@@ -64,7 +64,7 @@ def run_info(device: Any = None) -> dict[str, Any]:
         commit = None
     import torch
 
-    from .device import device_facts
+    from .device import cpu_facts, device_facts
 
     return {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
@@ -76,6 +76,7 @@ def run_info(device: Any = None) -> dict[str, Any]:
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "cuda_available": torch.cuda.is_available(),
+            **cpu_facts(),
             **(device_facts(device) if device is not None else {}),
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -44,7 +44,7 @@ class TrainConfig:
     warmup_ratio: float = cfg_field(0.03, help="fraction of steps of linear warm-up", ge=0, lt=1)
     max_grad_norm: float = cfg_field(1.0, help="gradient clipping norm (0 = off)", ge=0)
     mixed_precision: str = cfg_field(
-        "no",
+        "auto",
         help="no, or bf16: autocast of the trained model's forward and backward, fp32 master "
         "weights (accelerate; on CUDA and on the CPU). fp16 is refused (loss scaling). "
         + DTYPE_AUTO_HELP.replace("fp32 elsewhere", "no elsewhere"),
@@ -75,6 +75,27 @@ class TrainConfig:
     allow_little_data: bool = cfg_field(
         False,
         help="train even when most records were dropped or fewer than min_train_samples remain",
+    )
+    # --- input pipeline (train.core.data.train_loader; docs/scaling.md, "Input pipeline") ---
+    num_workers: int | None = cfg_field(
+        None,
+        help="DataLoader worker processes per training process, reading and padding batches "
+        "while the step runs (an offline cache's hidden states: ~33 KB a token at 8B). None: "
+        "0 on a CPU (a worker takes a core from the step), 2 on a GPU (fewer if the node's "
+        "cores are short). Workers never touch the target",
+        ge=0,
+    )
+    prefetch_factor: int = cfg_field(
+        2,
+        help="batches each worker prepares ahead (num_workers > 0); each process holds up to "
+        "num_workers x prefetch_factor batches in shared memory",
+        ge=1,
+    )
+    group_by_length: bool = cfg_field(
+        True,
+        help="batches of samples of similar length (shuffled, then sorted by length within "
+        "windows of 50 batches; the batches' order random, fixed by seed and epoch): far less "
+        "padding than random batches when lengths vary. Off: random batches",
     )
     # --- time ---
     max_minutes: float | None = cfg_field(
@@ -122,6 +143,13 @@ class TrainConfig:
         10.0,
         help="multi-process: a collective waiting longer than this (a stuck or stopped rank) "
         "ends the run with a message",
+        gt=0,
+    )
+    load_timeout_minutes: float = cfg_field(
+        60.0,
+        help="multi-process: how long the processes that finished loading the target wait for "
+        "the others (one reading from a slower disk) before the run ends with a message naming "
+        "the late ones",
         gt=0,
     )
     log_every: int = cfg_field(10, help="log training metrics every N optimizer steps", ge=1)

@@ -1,16 +1,19 @@
-"""Data helpers every recipe shares: the split, the data position, EOS ids, the data checks."""
+"""Data helpers every recipe shares: the split, the training loader (workers, length-grouped
+batches), the data position, EOS ids, the data checks."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import UsageError
@@ -205,13 +208,195 @@ def total_steps(
     return max_steps or max(1, math.ceil(epochs * per_epoch))
 
 
+# Length grouping sorts samples within windows of this many batches (of every process): a
+# window is long enough that a batch finds samples of its length, short enough that the order
+# stays random (HF transformers' LengthGroupedSampler uses 50 too).
+MEGA_BATCHES = 50
+# DataLoader workers per training process on a GPU when num_workers is left unset; measured by
+# scripts/bench_input_pipeline.py (docs/scaling.md, "Input pipeline").
+GPU_WORKERS = 2
+
+
+def sample_lengths(dataset: Any) -> np.ndarray:
+    """``[N]`` tokens per sample of a training set, read without its features.
+
+    A :class:`~torch.utils.data.Subset` (the split, ``limit``) takes its parent's lengths at its
+    indices; a dataset with ``lengths`` (:class:`~draftsmith.train.features.cache_read.
+    HiddenStateCache`, :class:`~draftsmith.train.data.batching.TokenDataset`) says them; any
+    other map-style dataset is read item by item (``input_ids``).
+    """
+    if isinstance(dataset, torch.utils.data.Subset):
+        return sample_lengths(dataset.dataset)[np.asarray(dataset.indices, dtype=np.int64)]
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths, dtype=np.int64)
+    return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
+
+
+class LengthGroupedBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Batches of samples of similar length, in a random order fixed by the seed and the epoch.
+
+    Right-padded batches (our TTT attention relies on right padding; no packing) cost the
+    longest sample's length for every sample: random batches of a long-tailed length mix are
+    mostly padding. Each epoch:
+
+    1. shuffle all samples (seeded by ``seed`` and the epoch);
+    2. cut the order into windows of ``mega_batches x batch_size x processes`` samples and sort
+       each window by length, longest first;
+    3. cut the result into batches of ``batch_size`` (only the epoch's last one may be shorter)
+       and those into steps of ``processes`` consecutive batches (one batch per process:
+       accelerate's :class:`~accelerate.data_loader.BatchSamplerShard` deals batch ``i`` to
+       process ``i % processes``, so the processes of one step get batches of one length and
+       none waits for a longer one at the gradient all-reduce);
+    4. shuffle the whole steps, the step holding the longest sample first (a batch that does
+       not fit in memory fails at the first step, not hours in), the short tail last.
+
+    Every sample is in exactly one batch per epoch; the order is the same in every process and
+    for every resume (:class:`DataPosition` skips the batches already seen).
+
+    Args:
+        lengths: ``[N]`` tokens per sample (:func:`sample_lengths`).
+        batch_size: samples per batch (per process).
+        seed: the run's seed.
+        processes: the processes the batches are dealt to (1: one process).
+        mega_batches: batches (per process) per sorted window.
+    """
+
+    drop_last = False  # read by accelerate's BatchSamplerShard: the last batch may be short
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        batch_size: int,
+        *,
+        seed: int,
+        processes: int = 1,
+        mega_batches: int = MEGA_BATCHES,
+    ) -> None:
+        if batch_size < 1 or processes < 1 or mega_batches < 1:
+            raise ValueError(
+                f"batch_size, processes and mega_batches must be >= 1, got {batch_size}, "
+                f"{processes} and {mega_batches}"
+            )
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.batch_size = batch_size
+        self.seed = seed
+        self.processes = processes
+        self.mega_batches = mega_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Draw the order of epoch ``epoch`` next (:class:`DataPosition` sets it every epoch)."""
+        self.epoch = int(epoch)
+
+    @property
+    def sampler(self) -> LengthGroupedBatchSampler:
+        """Itself: accelerate's ``DataLoaderShard.set_epoch`` reaches a batch sampler wrapped
+        in its ``BatchSamplerShard`` or ``SkipBatchSampler`` (several processes, a resumed
+        epoch) as ``wrapper.batch_sampler.sampler``."""
+        return self
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.lengths) / self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self.batches(self.epoch)
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """Epoch ``epoch``'s batches of sample indices, in order (what ``__iter__`` yields)."""
+        n, size = len(self.lengths), self.batch_size
+        # A generator of its own, seeded by (seed, epoch): the order depends on nothing else
+        # (no global RNG state), so every process and every resume draws the same one.
+        rng = np.random.default_rng([self.seed % 2**63, int(epoch)])
+        order = rng.permutation(n)
+        window = self.mega_batches * size * self.processes  # a multiple of a step's samples
+        for start in range(0, n, window):
+            part = order[start : start + window]
+            # Longest first; stable, so equal lengths keep their random order.
+            order[start : start + window] = part[np.argsort(-self.lengths[part], kind="stable")]
+        batches = [order[i : i + size].tolist() for i in range(0, n, size)]
+        steps = [batches[i : i + self.processes] for i in range(0, len(batches), self.processes)]
+        tail = []
+        if steps and (len(steps[-1]) < self.processes or len(steps[-1][-1]) < size):
+            tail = steps.pop()  # the short step: last, as accelerate expects it
+        steps = [steps[i] for i in rng.permutation(len(steps))]
+        if steps:
+            longest = max(range(len(steps)), key=lambda k: self._longest(steps[k]))
+            if self._longest(steps[longest]) >= self._longest(tail):
+                steps.insert(0, steps.pop(longest))
+        return [batch for step in [*steps, tail] for batch in step]
+
+    def _longest(self, step: list[list[int]]) -> int:
+        return max((int(self.lengths[i]) for batch in step for i in batch), default=0)
+
+
+def resolve_num_workers(num_workers: int | None, device: torch.device | str) -> int:
+    """DataLoader workers per training process: ``num_workers``, or the default for ``device``.
+
+    Unset: none on a CPU (the training step computes on every core; a worker would take one
+    from it), on a GPU :data:`GPU_WORKERS`, at most the cores this process's share of the node
+    leaves beside itself (``LOCAL_WORLD_SIZE`` processes on the node share its cores).
+    """
+    if num_workers is not None:
+        return num_workers
+    if torch.device(device).type == "cpu":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_process = (cores or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(0, min(GPU_WORKERS, per_process - 1))
+
+
+def train_loader(
+    dataset: torch.utils.data.Dataset,
+    cfg: Any,
+    collate: Callable[[Sequence[Any]], Any],
+    *,
+    device: torch.device | str,
+    processes: int = 1,
+    pin_memory: bool = False,
+) -> torch.utils.data.DataLoader:
+    """The training DataLoader of every recipe (before ``accelerator.prepare``).
+
+    Batches of ``cfg.batch_size`` samples: random (``shuffle``; accelerate makes its sampler
+    seedable) or, with ``cfg.group_by_length``, of similar lengths
+    (:class:`LengthGroupedBatchSampler`). With workers (``cfg.num_workers``,
+    :func:`resolve_num_workers`) samples are read and padded in worker processes, each
+    ``cfg.prefetch_factor`` batches ahead of the step, and the workers live as long as the
+    loader (no restart each epoch). Workers only read and collate: the dataset and collate
+    must not hold the target (online features are computed in the step, on the device).
+
+    Args:
+        dataset: the training samples (a map-style dataset).
+        cfg: the run's :class:`~draftsmith.train.core.config.TrainConfig`.
+        collate: pads samples into a batch (picklable: workers may be spawned).
+        device: the run's device (``accelerator.device``), for the default number of workers.
+        processes: the processes the batches are dealt to (``accelerator.num_processes``).
+        pin_memory: ``TrainRun.pin_memory`` (on a GPU: copies without waiting for the device).
+    """
+    workers = resolve_num_workers(cfg.num_workers, device)
+    kwargs: dict[str, Any] = {"collate_fn": collate, "pin_memory": pin_memory}
+    if workers:
+        kwargs |= {
+            "num_workers": workers,
+            "prefetch_factor": cfg.prefetch_factor,
+            "persistent_workers": True,
+        }
+    if cfg.group_by_length:
+        sampler = LengthGroupedBatchSampler(
+            sample_lengths(dataset), cfg.batch_size, seed=cfg.seed, processes=processes
+        )
+        return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **kwargs)
+    return torch.utils.data.DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, **kwargs)
+
+
 @dataclass
 class DataPosition:
     """Where the loop stands in the data: epoch and micro-batches of it consumed (per process).
 
     Saved in every checkpoint; a resumed run skips exactly the consumed batches of that epoch
-    (the seeded sampler gives each epoch the same order again), so no sample is skipped or seen
-    twice whatever ``grad_accum``, batch size or epoch length.
+    (the seeded sampler, random or :class:`LengthGroupedBatchSampler`, gives each epoch the same
+    order again), so no sample is skipped or seen twice whatever ``grad_accum``, batch size,
+    epoch length or number of DataLoader workers (they read what the sampler chose, in order).
     """
 
     epoch: int = 0

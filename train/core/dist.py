@@ -16,7 +16,10 @@ Why each piece exists (each failure was seen on 2 CPU processes):
   way (:func:`exit_process`);
 * FSDP on CPU processes: accelerate switches to FSDP only on GPU-like devices, so an FSDP
   config on CPUs (gloo) silently trained with DDP; :func:`setup_fsdp` switches it, and
-  :func:`shard_frozen_target` shards the frozen target over the same processes.
+  :func:`shard_frozen_target` shards the frozen target over the same processes (built on the
+  meta device and filled shard by shard: no process holds the whole target);
+* a barrier with its own time-out (:func:`wait_for_ranks`): loading a target is where ranks
+  differ most (one reading from a slower disk), longer than a collective should ever wait.
 """
 
 from __future__ import annotations
@@ -24,14 +27,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import itertools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from ..errors import RunError
 
 if TYPE_CHECKING:
     from accelerate import PartialState
@@ -158,8 +165,10 @@ def setup_fsdp(accelerator: Any) -> list[str] | None:
     ``fsdp_cpu_ram_efficient_loading`` (on by default in ``accelerate launch``) is turned off,
     with a note: with it, transformers leaves the target's weights on the meta device on all but
     the first process of each machine, and accelerate's rank-0 broadcast of the drafter fails on
-    its buffers (EAGLE-3's vocabulary maps). Every process loads the target instead, and the
-    drafter's first weights come from rank 0 (:func:`broadcast_module`).
+    its buffers (EAGLE-3's vocabulary maps). Its aim, host memory of about one target per
+    machine, is met without it: every process builds the target's decoder layers on the meta
+    device and reads only its own shards of them (``TrainRun.load_target``); the drafter's first
+    weights come from rank 0 (:func:`broadcast_module`).
 
     Raises:
         UsageError: FSDP version 1 (the target is sharded with FSDP2's ``fully_shard``; the two
@@ -190,8 +199,8 @@ def setup_fsdp(accelerator: Any) -> list[str] | None:
         os.environ[variable] = "false"
         plugin.cpu_ram_efficient_loading = False
         accelerator.print(
-            "note: fsdp_cpu_ram_efficient_loading is turned off: every process loads the "
-            "target before sharding it, and the drafter's first weights are sent from rank 0"
+            "note: fsdp_cpu_ram_efficient_loading is turned off: each process reads only its "
+            "own shards of the target, and the drafter's first weights are sent from rank 0"
         )
     names = list(plugin.transformer_cls_names_to_wrap or [])
     plugin.transformer_cls_names_to_wrap = None
@@ -207,7 +216,10 @@ def fsdp_mesh(accelerator: Any) -> Any:
 
 
 def shard_frozen_target(
-    accelerator: Any, model: torch.nn.Module, layer_classes: list[str] | None = None
+    accelerator: Any,
+    model: torch.nn.Module,
+    layer_classes: list[str] | None = None,
+    fill: Callable[[torch.nn.Module, list[str]], Any] | None = None,
 ) -> torch.nn.Module:
     """Shard a frozen causal LM with FSDP2 over the processes that shard the drafter (in place).
 
@@ -225,6 +237,12 @@ def shard_frozen_target(
         model: the frozen target, on the CPU or already on the device; parameters move to the
             device shard by shard.
         layer_classes: class names of its decoder layers; empty/None: ``_no_split_modules``.
+        fill: for a target whose decoder layers are still on the meta device
+            (:func:`~draftsmith.train.target_model.load.load_target_meta`): called after they
+            are sharded and given empty storage on the device, with the names of those
+            parameters, to read this rank's rows of each
+            (:func:`~draftsmith.train.target_model.load.fill_target_shards`). Only the shards
+            are ever made: no process holds the whole target.
 
     Returns:
         ``model`` itself (its class becomes ``FSDP<Class>``; it is not checkpointed).
@@ -254,13 +272,131 @@ def shard_frozen_target(
         kwargs["offload_policy"] = offload
     whole = [model.get_input_embeddings(), model.get_output_embeddings()]
     keep = {p for m in whole if m is not None for p in m.parameters()}
-    for module in whole:
-        if module is not None:
-            module.to(accelerator.device)
+    if not any(p.is_meta for p in model.parameters()):  # else materialize_meta moves them
+        for module in whole:
+            if module is not None:
+                module.to(accelerator.device)
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, ignored_params=keep, **kwargs)
+    empty = materialize_meta(model, accelerator.device)
+    if empty and fill is None:
+        raise ValueError(f"the target's {empty[0]} (and others) has no weights and no fill")
+    if empty:
+        fill(model, empty)
     return model
+
+
+def materialize_meta(model: torch.nn.Module, device: Any) -> list[str]:
+    """Give a sharded model's meta parameters empty storage on ``device``; keep everything else.
+
+    ``to_empty`` is how FSDP2 makes sharded meta parameters real (it resets each FSDP unit's
+    shards), but it makes *every* tensor of the module empty: the parameters and buffers that
+    already hold values (embedding and head loaded whole, rotary buffers computed by the model,
+    layers loaded whole) are kept aside and put back: by reference where they are on ``device``
+    already, else copied into the storage ``to_empty`` made there (so a GPU never holds the
+    embedding and head twice).
+
+    Returns:
+        The names of the parameters that were on the meta device (now uninitialised), in
+        ``named_parameters`` order; empty when there were none (nothing is changed then).
+    """
+    params = list(model.named_parameters())
+    empty = [name for name, p in params if p.is_meta]
+    if not empty:
+        return []
+    kept_params = [(p, _local(p).detach()) for _, p in params if not p.is_meta]
+    kept_buffers = [
+        (module, name, buffer)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for param, value in kept_params:
+            if hasattr(param, "to_local"):  # an FSDP shard: FSDP owns its new storage
+                param.to_local().copy_(value)
+            elif param.device == value.device:
+                param.data = value  # no copy (the empty storage is never touched)
+            else:
+                param.data.copy_(value)
+        for module, name, buffer in kept_buffers:
+            module._buffers[name] = buffer.to(device)
+    return empty
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, else the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class RankTimeoutError(RunError):
+    """Ranks did not all reach a point of the run within their own time-out (not a collective)."""
+
+
+# Barrier keys must differ between barriers of one process group; every rank counts the same.
+_BARRIERS = itertools.count()
+
+
+def wait_for_ranks(phase: str, timeout_minutes: float, setting: str) -> None:
+    """A barrier with its own time-out, for a phase whose duration differs between ranks.
+
+    The process group's time-out (``pg_timeout_minutes``) bounds how long a collective waits:
+    right for training steps, short for loading a target, where one rank reading from a slower
+    disk can be minutes behind the others. This barrier goes through the process group's store
+    (the rendezvous every rank reached), not a collective, so it works alike on gloo and NCCL,
+    bounds only the wait at this point and can name the ranks that are late.
+
+    Args:
+        phase: what the ranks were doing (named in the error).
+        timeout_minutes: how long a rank waits here for the others.
+        setting: the config field that sets ``timeout_minutes`` (named in the error).
+
+    Raises:
+        RankTimeoutError: a rank still missing after the time-out (raised on the ranks that
+            waited, naming the late ones), or a late rank arriving after the others gave up.
+    """
+    if not distributed() or torch.distributed.get_world_size() == 1:
+        return
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    key = f"draftsmith/wait/{next(_BARRIERS)}"
+    try:
+        store.set(f"{key}/rank{rank}", b"1")
+        arrived = store.add(f"{key}/count", 1)
+        deadline = time.monotonic() + 60 * timeout_minutes
+        pause = 0.005
+        while arrived < world:
+            gave_up = store.check([f"{key}/gave_up"])
+            if gave_up or time.monotonic() > deadline:
+                late = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
+                if late:
+                    store.set(f"{key}/gave_up", b"1")
+                    raise RankTimeoutError(
+                        f"{phase}: rank(s) {', '.join(map(str, late))} of {world} had not "
+                        f"finished after this rank ({rank}) waited {timeout_minutes:g} minutes "
+                        f"({setting}); raise {setting} if that rank is only slower (a slower "
+                        "disk), else see its own error"
+                    )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+            arrived = store.add(f"{key}/count", 0)
+        gave_up = store.check([f"{key}/gave_up"])
+    except RankTimeoutError:
+        raise
+    except Exception as exc:  # the store's host (rank 0 or the launcher) is gone
+        raise RankTimeoutError(
+            f"{phase}: this rank ({rank}) finished after the others had stopped waiting "
+            f"({setting}: {timeout_minutes:g} minutes; {exc})"
+        ) from exc
+    if gave_up:
+        raise RankTimeoutError(
+            f"{phase}: this rank ({rank}) finished after the others had waited {setting} "
+            f"({timeout_minutes:g} minutes) for it; raise {setting} if it is only slower"
+        )
 
 
 def broadcast_module(model: torch.nn.Module) -> None:

@@ -5,7 +5,8 @@ holds what the loop shares with every other recipe::
 
     with TrainRun(cfg, recipe="eagle", kind="eagle3", outputs=["drafter"]) as run:
         accelerator = run.accelerator
-        target = run.place_target(target)     # on the device; sharded under an FSDP config
+        target, tokenizer = run.load_target(cfg.target, dtype=dtype)  # FSDP: layers on meta
+        target = run.place_target(target)     # on the device; sharded (own rows read) under FSDP
         ...                                   # data, drafter, optimizer, run.prepare(...)
         run.resume()                          # newest good checkpoint -> run.state, run.position
         step = run.state.step
@@ -58,13 +59,14 @@ import torch
 
 from .. import safety
 from ..config import config_to_dict, dump_config
-from ..device import auto_dtype, is_cpu, resolve_device
+from ..device import allow_tf32, auto_dtype, is_cpu, resolve_device, restore_tf32
 from ..errors import RunError, UsageError
 from ..runinfo import finite_json
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import DataPosition, check_inputs
 from .dist import (
+    RankTimeoutError,
     any_rank,
     broadcast_int,
     broadcast_module,
@@ -74,6 +76,7 @@ from .dist import (
     shard_frozen_target,
     start_processes,
     teardown,
+    wait_for_ranks,
 )
 from .schedule import FIT_EVERY_SHARE, FIT_MIN_STEPS, damped, fitted_total, refit
 from .stop import NonFiniteError, StopSignals, check_finite
@@ -203,10 +206,16 @@ class TrainRun:
         self._val_seconds: list[float] = []
         self._fit_validations = 0
         self._fit_every = FIT_MIN_STEPS
+        self._tf32_before: tuple[bool, bool] | None = None  # set by __enter__ on CUDA
+        self.tf32 = False
 
     # --- setup and teardown -----------------------------------------------------------------
 
     def __enter__(self) -> TrainRun:
+        # CUDA: fp32 matmuls on TF32 tensor cores for the run (device.allow_tf32), put back
+        # by __exit__ (the quickstart evaluates in the same process, where fp32 means exact).
+        self._tf32_before = allow_tf32(self.accelerator.device)
+        self.tf32 = self._tf32_before is not None
         try:
             self.on_main(self._claim_output, "claiming the output directory")
             ckpt.check_shared_output(self.accelerator, self.out)
@@ -227,9 +236,12 @@ class TrainRun:
             self._finish_trackers(ok)
             teardown(self.accelerator, ok)
         finally:
+            restore_tf32(self._tf32_before)
+            self._tf32_before = None
             if self._lock is not None:
                 self._lock.release()
-        if exc is not None and self.multi and _collective_failed(exc):
+        timed_out = isinstance(exc, RankTimeoutError)  # its own message names its setting
+        if exc is not None and self.multi and not timed_out and _collective_failed(exc):
             raise RunError(
                 f"another process of this run stopped answering or died ({exc}); a collective "
                 f"waits at most pg_timeout_minutes ({self.cfg.pg_timeout_minutes:g})"
@@ -288,17 +300,60 @@ class TrainRun:
             raise RunError(f"{what} failed in the main process (see its message)")
         return result
 
+    def load_target(
+        self, source: str | Path | None, *, whole_layers: Sequence[int] = (), **kwargs: Any
+    ) -> tuple[Any, Any]:
+        """The frozen target and its tokenizer, for :meth:`place_target`.
+
+        Without FSDP: :func:`~draftsmith.train.target_model.load.load_target`, the whole
+        target. Under FSDP: the target with its decoder layers on the meta device
+        (:func:`~draftsmith.train.target_model.load.load_target_meta`); :meth:`place_target`
+        shards them and reads this process's rows of each weight only, so a machine holds about
+        one copy of the target (plus the embedding and head, whole in every process). A target
+        that cannot be read shard by shard (no safetensors files, quantized or converted
+        weights) is loaded whole by every process, as without FSDP, with a one-line note.
+
+        Args:
+            source: the target (see ``prepare_target``).
+            whole_layers: under FSDP, decoder layers loaded whole before sharding (a draft
+                copies them from the target before :meth:`place_target`).
+            **kwargs: ``cache_dir``, ``dtype``, ``quiet`` (see ``load_target``).
+        """
+        from ..target_model.load import NotShardable, load_target, load_target_meta
+
+        if self.fsdp:
+            try:
+                return load_target_meta(source, whole_layers=whole_layers, **kwargs)
+            except NotShardable as why:
+                self.say(f"note: every process loads the whole target before sharding it ({why})")
+        return load_target(source, **kwargs)
+
     def place_target(self, target: torch.nn.Module) -> torch.nn.Module:
         """Put the frozen target on this process's device: whole, or sharded under FSDP.
 
         FSDP: each decoder layer is sharded over the processes (see
         :func:`~draftsmith.train.core.dist.shard_frozen_target`); its embedding and output head
-        stay whole. Call it before :meth:`prepare` and never prepare the target: it is not
-        trained and not checkpointed.
+        stay whole. A target from :meth:`load_target` whose layers are still on the meta device
+        gets only this process's rows of each weight, read from its files. Call it before
+        :meth:`prepare` and never prepare the target: it is not trained and not checkpointed.
+
+        With several processes, every process then waits until all have placed the target, at
+        most ``load_timeout_minutes`` (loading is where they differ most: a slower disk),
+        instead of the first collective after it failing after ``pg_timeout_minutes``.
+
+        Raises:
+            RankTimeoutError: a process had not finished loading within
+                ``load_timeout_minutes``; the message names it and the setting.
         """
         if self.fsdp:
-            return shard_frozen_target(self.accelerator, target, self._target_layers)
-        return target.to(self.accelerator.device)
+            from ..target_model.load import fill_target_shards
+
+            layers = self._target_layers
+            target = shard_frozen_target(self.accelerator, target, layers, fill=fill_target_shards)
+        else:
+            target = target.to(self.accelerator.device)
+        wait_for_ranks("loading the target", self.cfg.load_timeout_minutes, "load_timeout_minutes")
+        return target
 
     def prepare(self, *objects: Any) -> Any:
         """``accelerator.prepare``, remembering the wrapped objects (DDP models) for teardown.
@@ -725,6 +780,7 @@ class TrainRun:
             "train_seconds": round(time.monotonic() - self.started, 1),
             "processes": self.accelerator.num_processes,
             "distributed": "fsdp" if self.fsdp else ("ddp" if self.multi else "none"),
+            "tf32": self.tf32,  # fp32 matmuls on TF32 (CUDA runs; device.allow_tf32)
             "skipped_nonfinite": self.state.skipped_nonfinite,
             "best": self.state.best,
             "validation": self.state.validation,

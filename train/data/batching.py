@@ -2,15 +2,18 @@
 
 Distillation trains on tokens alone; the feature-level recipes (EAGLE, Medusa) batch the same
 samples with the target's hidden states added (:mod:`draftsmith.train.features.source`), so one
-collate pads both.
+collate pads both. Which samples share a batch (random, or grouped by length) is the training
+loader's business: :func:`draftsmith.train.core.data.train_loader`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from .tokens import TokenDataError
@@ -36,6 +39,20 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.data)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``[N]`` tokens per sample (after ``max_length``), read without building the samples'
+        tensors, e.g. for length-grouped batching (a ``datasets.Dataset`` through Arrow)."""
+        if hasattr(self.data, "with_format"):  # datasets.Dataset: list lengths, no row decoded
+            import pyarrow.compute as pc
+
+            column = self.data.with_format("arrow")["input_ids"]  # honours select()/filter()
+            lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+        else:
+            lengths = np.array([len(row["input_ids"]) for row in self.data], dtype=np.int64)
+        lengths = lengths.astype(np.int64)
+        return np.minimum(lengths, self.max_length) if self.max_length is not None else lengths
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         row = self.data[int(i)]
@@ -90,12 +107,28 @@ def collate_hidden_states(
     if "hidden_states" in samples[0]:
         hidden = {}
         for layer, first in samples[0]["hidden_states"].items():
-            out = first.new_zeros((b, t, first.shape[-1]))
+            out = _batch_tensor((b, t, first.shape[-1]), first.dtype)
             for i, (s, n) in enumerate(zip(samples, lengths, strict=True)):
                 out[i, :n] = s["hidden_states"][layer]
+                out[i, n:] = 0  # each element written once: the padding zeroed, not the batch
             hidden[layer] = out
         batch["hidden_states"] = hidden
     return batch
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor for a batch's hidden states; in shared memory in a DataLoader
+    worker.
+
+    A worker hands its batch to the training process through shared memory; a tensor made in
+    ordinary memory is copied there first (for an 8B target's features, ~33 KB a token: one
+    more copy of ~270 MB per 8k-token batch). Made there directly, as torch's default collate
+    does, it is written once.
+    """
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = torch.UntypedStorage._new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage).view(shape)
 
 
 @dataclass

@@ -193,7 +193,7 @@ def compute_shard(
         # No mask when nothing is padded (common after length sorting): plain causal attention.
         mask = None if min(n) == t else attn
         with torch.inference_mode():
-            hs = run_target(target, input_ids, mask)
+            hs = run_target(target, input_ids, mask, layers)  # only these are kept
             # Cast per layer before stacking so the [B, T, L, H] copy is in the storage dtype.
             # .cpu() after the stack: one device->host transfer per forward.
             stacked = torch.stack([hs[layer].to(store) for layer in layers], dim=2).cpu()

@@ -14,6 +14,10 @@ with identical batches either way (:func:`feature_source`):
 - **online**: :class:`OnlineHiddenStates` runs the target inside the training step on each
   padded batch (:func:`compute_hidden_states`).
 
+Either way the target's forward keeps only the requested layers (forward hooks, not
+``output_hidden_states``), stops after the deepest one and never runs the LM head
+(:func:`run_target`).
+
 A cache records its target's weights hash (:func:`target_weights_hash`); a trainer passes
 ``expect={"target_hash": target_fingerprint(target)}`` to :func:`feature_source`, so a cache
 built from another target of the same shapes is refused.
@@ -24,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,24 +220,215 @@ def _input_device(target: torch.nn.Module) -> torch.device:
 
 def _forward_kwargs(target: torch.nn.Module) -> dict[str, Any]:
     # Only the last position's logits: the lm_head over the full vocab would otherwise cost up
-    # to a fifth of a small target's forward and a [B, T, V] tensor nobody reads.
+    # to a fifth of a small target's forward and a [B, T, V] tensor nobody reads. (The hooked
+    # forward below usually stops before the head; this bounds it where it cannot.)
     params = inspect.signature(type(unwrap_model(target)).forward).parameters
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
+class _StopForward(Exception):
+    """Raised by a capture hook once the deepest requested hidden state is in hand: it ends the
+    target's forward before the layers and the LM head nobody reads. Caught in :func:`run_target`
+    only."""
+
+
+# Where 🤗 decoder-only models keep their decoder layers, in call order (Llama, Qwen2/3, Mistral,
+# Gemma, Phi-3 ...: ``layers``; GPT-2, Falcon, Bloom: ``h``; MPT: ``blocks``).
+_LAYER_LISTS = ("layers", "h", "blocks", "layer")
+_warned_fallback: set[str] = set()
+
+
+def _decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]] | str:
+    """The decoder body (whose output's ``last_hidden_state`` is the final normed output) and its
+    decoder layers in call order, or why they cannot be found.
+
+    Args:
+        model: the unwrapped target (FSDP2 keeps the class and the attributes).
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return "not a transformers model"
+    try:
+        body = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        body = model.base_model
+    if not isinstance(body, torch.nn.Module):
+        return "get_decoder() returned no module"
+    # 🤗 runs ``layers[: config.num_hidden_layers]`` (a few checkpoints carry extra MTP layers).
+    n = getattr(getattr(body, "config", None) or model.config, "num_hidden_layers", None)
+    for name in _LAYER_LISTS:
+        found = getattr(body, name, None)
+        if isinstance(found, torch.nn.ModuleList) and len(found) and len(found) >= (n or 0):
+            return body, list(found)[: n or len(found)]
+    names = "/".join(_LAYER_LISTS)
+    return f"no list of decoder layers ({names}) on its decoder {type(body).__name__}"
+
+
+def _fsdp_wrapped(modules: Sequence[torch.nn.Module]) -> bool:
+    """Whether any of ``modules`` is sharded by FSDP2 (``fully_shard``) or wrapped by FSDP1."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in modules)
+
+
+def _first(output: Any) -> torch.Tensor:
+    """A decoder layer's hidden-state output: the tensor itself, or item 0 of a tuple (as 🤗's
+    own ``output_hidden_states`` recorder reads it)."""
+    return output[0] if isinstance(output, tuple | list) else output
+
+
+def _hooked_forward(
+    target: torch.nn.Module,
+    kwargs: dict[str, Any],
+    body: torch.nn.Module,
+    blocks: list[torch.nn.Module],
+    wanted: set[int],
+) -> dict[int, torch.Tensor]:
+    """Run ``target`` with forward hooks that keep exactly the hidden states in ``wanted``.
+
+    Each index is read where 🤗's ``output_hidden_states`` reads it (so the tensors are the same
+    ones, bit for bit): 0 = the first layer's input (after any embedding scaling, e.g. Gemma's),
+    ``i`` = layer ``i-1``'s output, ``len(blocks)`` = the decoder body's ``last_hidden_state``
+    (after the final norm), or the last layer's output where the config sets
+    ``tie_last_hidden_states=False``. Nothing else is kept, so the forward's peak holds the
+    requested layers plus one layer's working set, whatever the depth.
+
+    The hook of the deepest requested index raises :class:`_StopForward`: deeper layers and the
+    LM head never run. Not under FSDP, where an exception would leave FSDP's forward state (the
+    root's forward, its reshard) half done on a model that runs again next step; there the
+    forward runs to the end (``logits_to_keep=1`` keeps the head to one position). The hooks are
+    removed whatever happens.
+    """
+    n = len(blocks)
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(wanted)
+    stop = not _fsdp_wrapped([target, unwrap_model(target), body, *blocks])
+    config = getattr(body, "config", None)
+    tie_last = getattr(config, "tie_last_hidden_states", None) is not False
+    # Hooks are per module, not per call: a forward of the same target in another thread (or
+    # nn.DataParallel's replicas) must neither fill nor stop this one.
+    caller = threading.get_ident()
+
+    def keep(index: int, tensor: torch.Tensor) -> None:
+        if threading.get_ident() != caller:
+            return
+        captured[index] = tensor
+        if stop and index == deepest:
+            raise _StopForward
+
+    def first_input(module: torch.nn.Module, args: tuple, kw: dict[str, Any]) -> None:
+        keep(0, args[0] if args else kw["hidden_states"])
+
+    def layer_output(index: int) -> Callable[..., None]:
+        return lambda module, args, output: keep(index, _first(output))
+
+    def final_output(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        last = getattr(output, "last_hidden_state", None)
+        last = _first(output) if last is None else last
+        if not isinstance(last, torch.Tensor):
+            raise RuntimeError(
+                f"{type(body).__name__}: its forward returned no last_hidden_state to read the "
+                f"final normed output (layer {n}) from"
+            )
+        keep(n, last)
+
+    handles = []
+    try:
+        if 0 in wanted:
+            handles.append(blocks[0].register_forward_pre_hook(first_input, with_kwargs=True))
+        for i in sorted(wanted - {0}):
+            if i == n and tie_last:
+                handles.append(body.register_forward_hook(final_output))
+            else:
+                handles.append(blocks[i - 1].register_forward_hook(layer_output(i)))
+        with contextlib.suppress(_StopForward):
+            target(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = sorted(wanted - captured.keys())
+    if missing:
+        raise RuntimeError(
+            f"{type(unwrap_model(target)).__name__}: the forward never produced hidden states "
+            f"{missing} (its decoder layers did not run in the order {type(body).__name__} lists "
+            "them)"
+        )
+    return captured
+
+
 def run_target(
-    target: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-) -> tuple[torch.Tensor, ...]:
-    """All hidden states (``num_layers + 1`` tensors ``[B, T, H]``), in the caller's grad mode."""
+    target: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layers: Sequence[int] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The target's hidden states, ``num_layers + 1`` entries ``[B, T, H]``, in the caller's
+    grad mode (index convention: :data:`~draftsmith.heads.base.Features`).
+
+    A 🤗 model runs without ``output_hidden_states``: forward hooks on its decoder layers (and its
+    decoder body, for the final normed output) keep only the requested entries, so the forward's
+    peak memory does not grow with the number of layers, and the forward stops after the deepest
+    requested one: the LM head never runs, nor do the layers deeper than that (see
+    :func:`_hooked_forward`; FSDP-sharded targets run to the end). The values are the very
+    tensors ``output_hidden_states=True`` would return.
+
+    Fallback: a target that is not a 🤗 model (e.g.
+    :class:`~draftsmith.train.features.vllm_backend.VllmTarget`) is called with
+    ``output_hidden_states=True`` and serves them itself; a 🤗 model whose decoder layers cannot
+    be found gets the same, with a one-time warning naming its class (memory then grows with its
+    depth).
+
+    Args:
+        target: the causal LM, possibly wrapped by DDP/FSDP/accelerate or spread by
+            ``device_map``.
+        input_ids: ``[B, T]``.
+        attention_mask: ``[B, T]`` (1 = token), or None.
+        layers: the entries to compute; None: all of them.
+
+    Returns:
+        A tuple of ``num_layers + 1`` entries: ``[B, T, H]`` for each requested index (on the
+        device of the layer that made it), None for the others.
+
+    Raises:
+        CacheError: If ``layers`` is empty, repeats one or is out of range (see
+            :func:`check_layers`).
+    """
     device = _input_device(target)
-    out = target(
-        input_ids=input_ids.to(device),
-        attention_mask=None if attention_mask is None else attention_mask.to(device),
-        output_hidden_states=True,
-        use_cache=False,
+    kwargs = {
+        "input_ids": input_ids.to(device),
+        "attention_mask": None if attention_mask is None else attention_mask.to(device),
+        "use_cache": False,
         **_forward_kwargs(target),
+    }
+    inner = unwrap_model(target)
+    parts = _decoder_parts(inner)
+    if isinstance(parts, str):
+        from transformers import PreTrainedModel
+
+        name = type(inner).__name__
+        if isinstance(inner, PreTrainedModel) and name not in _warned_fallback:
+            _warned_fallback.add(name)
+            warnings.warn(
+                f"{name}: {parts}; its features come from output_hidden_states=True, which keeps "
+                "every layer's hidden states alive (memory grows with depth)",
+                stacklevel=2,
+            )
+        hs = target(**kwargs, output_hidden_states=True).hidden_states
+        if layers is None:
+            return tuple(hs)
+        wanted = set(check_layers(layers, len(hs) - 1))
+        return tuple(hs[i] if i in wanted else None for i in range(len(hs)))
+    body, blocks = parts
+    num_layers = len(blocks)
+    wanted = set(range(num_layers + 1) if layers is None else check_layers(layers, num_layers))
+    # Explicitly off: a config with output_hidden_states=True would make 🤗 record them all.
+    captured = _hooked_forward(
+        target, {**kwargs, "output_hidden_states": False}, body, blocks, wanted
     )
-    return out.hidden_states
+    return tuple(captured.get(i) for i in range(num_layers + 1))
 
 
 def check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
@@ -263,7 +460,8 @@ def compute_hidden_states(
 ) -> dict[int, torch.Tensor]:
     """Run the frozen target on a padded batch and return the requested hidden states.
 
-    Runs under ``torch.no_grad()`` rather than ``inference_mode``: inference tensors cannot be
+    Only those are kept during the forward, which stops after the deepest one (see
+    :func:`run_target`): peak memory holds the requested layers, not all of them. Runs under ``torch.no_grad()`` rather than ``inference_mode``: inference tensors cannot be
     saved for backward, and the drafter's first layer saves its input.
 
     Args:
@@ -278,13 +476,15 @@ def compute_hidden_states(
         collated offline batch.
     """
     mask = batch.get("attention_mask")
+    layers = [int(x) for x in layers]
     with torch.no_grad():
-        hs = run_target(target, batch["input_ids"], mask)
-        layers = check_layers(layers, len(hs) - 1)
-        keep = None if mask is None else mask.to(hs[0].device).bool().unsqueeze(-1)
+        hs = run_target(target, batch["input_ids"], mask, layers)
+        device = _input_device(target)
+        keep = None if mask is None else mask.to(device).bool().unsqueeze(-1)
         out = {}
         for layer in layers:
-            t = hs[layer] if dtype is None else hs[layer].to(dtype)
+            # Under device_map a deep layer lives on a later device: bring it to the inputs'.
+            t = hs[layer].to(device) if dtype is None else hs[layer].to(device, dtype)
             out[layer] = t if keep is None else t.masked_fill(~keep, 0)
     return out
 

@@ -34,9 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...heads.attention import BlockLayout
 from ...heads.base import unwrap_model
 from ...heads.vocab_maps import vocab_target_ids
-from .eagle_ttt import _batch_tensors, _soft_ce, shift_left, target_distribution
+from .chunked_loss import head_rows
+from .eagle_ttt import _batch_tensors, shift_left, target_distribution
 
 __all__ = [
     "block_forward",
@@ -108,7 +110,10 @@ def block_inputs(
 def dflash_attention_mask(
     anchors: torch.Tensor, attention_mask: torch.Tensor, block_size: int
 ) -> torch.Tensor:
-    """Which keys each block query sees.
+    """Which keys each block query sees, written out densely (the reference layout).
+
+    Training does not build it: :class:`~draftsmith.heads.attention.BlockLayout` makes each
+    chunk of blocks' slice of it as the attention goes (memory linear in T).
 
     Keys are laid out as the T context positions, then the ``A * S`` block slots (anchor j's
     block at ``j*S .. j*S+S-1``). A query of anchor j's block sees context position p iff
@@ -162,7 +167,9 @@ def block_forward(
     anchors = anchors.to(dev)
     tokens, positions = block_inputs(input_ids.to(dev), anchors, s, cfg.mask_token_id)
     a = anchors.shape[1]
-    mask = dflash_attention_mask(anchors, attention_mask.to(dev), s)
+    # Which keys each block sees (dflash_attention_mask's layout), attended a chunk of blocks at
+    # a time: no [A S, T + A S] mask or probability tensor.
+    mask = BlockLayout(anchors, attention_mask.to(dev) > 0, s)
     hidden = drafter(
         core.embed(tokens.view(b, a * s)),
         positions.view(b, a * s),
@@ -249,14 +256,20 @@ def dflash_loss(
     target_p = target_p[0, rows].to(dev)
     target_arg = target_arg[0, rows].to(dev)
 
-    logits = core.logits(hidden[bi, ai, si])  # [N, V or V_draft]
-    ce = _soft_ce(logits, target_p)  # [N]
+    # The head (core.logits: the target's, or its draft-vocabulary rows) and the soft CE in row
+    # chunks (head_rows): the [N, V] logits and log-probabilities are not kept for the backward;
+    # the label target_p is the one [N, V] tensor left.
+    head = core.shared.lm_head
+    weight = core.shared.head_rows(core.d2t) if cfg.reduced_vocab else head.weight
+    bias = None if cfg.reduced_vocab else head.bias
+    rows = head_rows(hidden[bi, ai, si], weight, bias=bias, p=target_p, terms=("ce",), argmax=True)
+    ce = rows["ce"]  # [N]
     w = slot_weights(s, gamma, dev)[si]
     loss = (w * ce).sum() / w.sum().clamp_min(1e-12)
 
     metrics: dict[str, torch.Tensor] = {"loss": loss.detach()}
     with torch.no_grad():
-        hit = (core.target_ids(logits.argmax(-1)).to(dev) == target_arg).float()
+        hit = (core.target_ids(rows["argmax"]).to(dev) == target_arg).float()
         j = si - 1
         count = torch.bincount(j, minlength=s - 1)
         hits = torch.bincount(j, weights=hit, minlength=s - 1)

@@ -19,6 +19,10 @@ Conventions:
 * All arithmetic is in float32 whatever the logits' dtype (bf16 softmaxes over 49k tokens lose
   the small probabilities the KLs weigh).
 
+:func:`distill_loss` takes both sides' logits (``[N, V]``: autograd keeps fp32 ``[N, V]``
+log-probabilities for the backward); :func:`distill_head_loss` is the same loss applied with the
+draft's lm_head in row chunks (:mod:`.chunked_loss`), keeping no ``[N, V]`` tensor.
+
 Which positions to supervise: ``loss_mask[t] == 1`` (``train/data/chat.py``) means token ``t`` is a
 training target, predicted by the logits at position ``t − 1``. :func:`prediction_mask` does that
 shift once, so callers never slice logits by hand.
@@ -27,13 +31,21 @@ shift once, so callers never slice logits by hand.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ...heads.base import unwrap_model
+from ...heads.draft_lm import LossHead
+from ..features.source import run_target
+from .chunked_loss import head_rows
+
 __all__ = [
     "LOSSES",
     "cross_entropy",
+    "distill_batch_loss",
+    "distill_head_loss",
     "distill_loss",
     "expected_acceptance",
     "forward_kl",
@@ -334,3 +346,185 @@ def distill_loss(
     if ce_weight > 0:
         loss = loss + ce_weight * cross_entropy(q_logits, labels, mask)
     return loss
+
+
+# distill_loss's divergence -> the per-row terms of head_rows it is built from.
+_DIVERGENCE_TERMS = {
+    "fkl": ("fkl",),
+    "rkl": ("rkl",),
+    "tvd": ("tv",),
+    "jsd": ("jsd",),
+    "lk_hybrid": ("fkl", "tv"),
+}
+
+
+def distill_head_loss(
+    kind: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    p_hidden: torch.Tensor,
+    p_head: Callable[[torch.Tensor], torch.Tensor],
+    mask: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    ce_weight: float = 0.0,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    eta: float = 3.0,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`distill_loss` of the draft head ``hidden Wᵀ`` and the target head on ``p_hidden``.
+
+    The same value and gradients as ``distill_loss(kind, p_head(p_hidden), hidden @ weight.T,
+    mask, ...)``, computed in row chunks (:func:`~.chunked_loss.head_rows`): neither side's
+    ``[N, V]`` logits or log-probabilities are kept for the backward, which recomputes a
+    chunk's p from ``p_hidden`` (the target's head is frozen and whole on every rank).
+    Call it where the draft's head weight is gathered (inside the draft's forward under FSDP:
+    :class:`~draftsmith.heads.draft_lm.LossHead`).
+
+    Args:
+        kind: divergence, one of :data:`LOSSES`.
+        hidden: ``[..., H]`` the draft's final normed hidden states at the supervised
+            positions (e.g. ``[N, H]``).
+        weight: ``[V, H]`` the draft's lm_head weight.
+        p_hidden: ``[..., H']`` the target's final normed hidden states at the same positions.
+        p_head: the target's lm_head (``[r, H'] -> [r, V]``), called without gradients.
+        mask: ``[...]`` positions to average over (None: all).
+        bias: the draft head's bias, if any.
+        labels: ``[...]`` data tokens for the cross-entropy term (``ce_weight > 0``).
+        ce_weight: weight of the cross-entropy on the data labels, in [0, 1].
+        temperature: softmax temperature of the divergence (the cross-entropy uses 1).
+        beta: JSD mixing weight.
+        eta: ``lk_hybrid``'s decay of the KL weight with the acceptance rate.
+        chunk_rows: rows per chunk (default: about 2^23 / V).
+
+    Returns:
+        ``(loss, metrics)``: the scalar loss, and detached means over the masked positions:
+        ``expected_acceptance`` (:func:`expected_acceptance` at temperature 1) and
+        ``greedy_agreement`` (:func:`greedy_agreement`).
+    """
+    if kind not in LOSSES:
+        raise ValueError(f"unknown loss {kind!r}; expected one of {list(LOSSES)}")
+    if not 0 <= ce_weight <= 1:
+        raise ValueError(f"ce_weight must be in [0, 1], got {ce_weight}")
+    if ce_weight > 0 and labels is None:
+        raise ValueError("ce_weight > 0 needs labels")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    terms = (_DIVERGENCE_TERMS[kind] if ce_weight < 1 else ()) + (("nll",) if ce_weight > 0 else ())
+    rows = head_rows(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias=bias,
+        p_hidden=p_hidden.reshape(-1, p_hidden.shape[-1]),
+        p_head=p_head,
+        labels=None if labels is None else labels.reshape(-1),
+        terms=terms,
+        metrics=("accept",),
+        temperature=temperature,
+        beta=beta,
+        argmax=True,
+        p_argmax=True,
+        chunk_rows=chunk_rows,
+    )
+    lead = hidden.shape[:-1]
+    rows = {k: v.reshape(lead) for k, v in rows.items()}
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    if ce_weight < 1:
+        if kind == "lk_hybrid":
+            # As distill_loss: KL leads while the draft is poor, TV takes over as α grows.
+            kl = _masked_mean(rows["fkl"], mask)
+            tv = _masked_mean(rows["tv"], mask)
+            lam = torch.exp(-eta * (1.0 - tv.detach()))
+            d = lam * kl + (1.0 - lam) * tv
+        else:
+            d = _masked_mean(rows[_DIVERGENCE_TERMS[kind][0]], mask)
+        loss = loss + (1 - ce_weight) * d
+    if ce_weight > 0:
+        loss = loss + ce_weight * _masked_mean(rows["nll"], mask)
+    with torch.no_grad():
+        metrics = {
+            "expected_acceptance": _masked_mean(rows["accept"], mask),
+            "greedy_agreement": _masked_mean((rows["argmax"] == rows["p_argmax"]).float(), mask),
+        }
+    return loss, metrics
+
+
+def distill_batch_loss(
+    draft: torch.nn.Module,
+    target: torch.nn.Module,
+    batch: dict,
+    kind: str,
+    *,
+    ce_weight: float = 0.0,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    eta: float = 3.0,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One batch's distillation loss, the draft's head applied with it inside its forward.
+
+    The chunked counterpart of ``distill_loss(kind, p, q, labels=...)`` on the supervised
+    positions' logits (:func:`prediction_mask`): the target contributes its final normed hidden
+    states there (from the batch's ``hidden_states`` when an offline cache supplies them, else
+    from a no-grad forward) and its lm_head, the draft its hidden states, and
+    :func:`distill_head_loss` runs inside the draft's forward through its
+    :class:`~draftsmith.heads.draft_lm.LossHead` (FSDP gathers the head's weight there).
+
+    Args:
+        draft: the draft causal LM (or its DDP/FSDP wrapper), with
+            :func:`~draftsmith.heads.draft_lm.install_loss_head` applied.
+        target: the frozen target (its lm_head whole, as ``place_target`` leaves it).
+        batch: ``input_ids``, ``attention_mask``, ``loss_mask`` ``[B, T]``, optionally
+            ``hidden_states {L: [B, T, H]}`` (the target's final layer).
+        kind, ce_weight, temperature, beta, eta, chunk_rows: as :func:`distill_head_loss`.
+
+    Returns:
+        As :func:`distill_head_loss`.
+
+    Raises:
+        ValueError: the draft has no :class:`LossHead`.
+    """
+    head = unwrap_model(draft).get_output_embeddings()
+    if not isinstance(head, LossHead):
+        raise ValueError("distill_batch_loss: install_loss_head(draft) before preparing it")
+    keep, labels = prediction_mask(batch["input_ids"], batch["loss_mask"], batch["attention_mask"])
+    p_head = target.get_output_embeddings()
+    with torch.no_grad():
+        hidden = batch.get("hidden_states")
+        if hidden:
+            (final,) = hidden.values()  # the cache's one layer: the last, after the final norm
+        else:
+            # Only the final normed state (hooks: no other layer kept, no logits): the labels'
+            # logits come from it below, in chunks.
+            n = unwrap_model(target).config.num_hidden_layers
+            final = run_target(target, batch["input_ids"], batch["attention_mask"], [n])[n]
+        p_hidden = final[keep].to(p_head.weight.dtype)
+
+    def loss_fn(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        if h.dim() == 3 and h.shape[:2] == keep.shape:  # a model without mask support
+            h = h[keep]
+        return distill_head_loss(
+            kind,
+            h,
+            weight,
+            p_hidden,
+            p_head,
+            bias=bias,
+            labels=labels,
+            ce_weight=ce_weight,
+            temperature=temperature,
+            beta=beta,
+            eta=eta,
+            chunk_rows=chunk_rows,
+        )
+
+    with head.computing(loss_fn):
+        out = draft(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            logits_to_keep=keep,
+            use_cache=False,
+        )
+    return out.logits

@@ -20,16 +20,18 @@ parameter is used inside ``drafter(...)`` calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...heads.attention import TTTKeys
 from ...heads.base import unwrap_model
-from ...heads.eagle_model import EagleCache
 from ...heads.vocab_maps import vocab_target_ids
-from .acceptance import draft_loss
+from .acceptance import draft_head_loss
+from .chunked_loss import head_rows
 
 __all__ = [
     "eagle1_loss",
@@ -54,7 +56,12 @@ def ttt_attention_mask(
     attention_mask: torch.Tensor | None = None,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Training-time-test attention mask of step ``step`` (EAGLE-3 §3.3, HASS).
+    """Training-time-test attention mask of step ``step`` (EAGLE-3 §3.3, HASS): the layout.
+
+    Training does not build it: :class:`~draftsmith.heads.attention.TTTKeys` computes the same
+    attention with a fused causal kernel plus one score per earlier step (memory linear in T x
+    steps, where this mask is ``[T, (j + 1) T]``). It stays as the written-out reference the
+    tests compare that path with.
 
     Keys are laid out as ``step + 1`` blocks of ``seq_len``: block 0 holds the keys computed from
     the target features (step 0), block i the keys of step i. A step-j query at position t sees
@@ -171,11 +178,6 @@ def target_distribution(
     return full_p, full_a
 
 
-def _soft_ce(logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy ``-sum p log q``: ``[B, T]``."""
-    return -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
-
-
 def _entropy(p: torch.Tensor) -> torch.Tensor:
     """Per-position entropy ``[B, T]`` (the floor of the soft cross-entropy)."""
     return -(p * p.clamp_min(1e-30).log()).sum(-1)
@@ -253,28 +255,41 @@ def eagle1_loss(
     mask = shift_left(loss_mask * attn, 2)[:, :-1] > 0  # [B, T-1]
     emb = core.embed(ids[:, 1:])
     pos = torch.arange(t - 1, device=dev)[None].expand(b, -1)
-    att = ttt_attention_mask(t - 1, 0, attn[:, :-1])
-    pred, _ = drafter(emb, inp, pos, attention_mask=att)
+    # Causal attention, no mask: right padding keeps padded keys after every real query.
+    pred, _ = drafter(emb, inp, pos, cache=TTTKeys())
 
     feature_loss = _masked_mean(
         F.smooth_l1_loss(pred.float(), target_feat.float(), reduction="none").mean(-1), mask
     )
-    target_p, target_arg = target_distribution(target_feat, head)
-    draft_logits = head(pred.to(head.weight.dtype))
-    token_loss = _masked_mean(_soft_ce(draft_logits, target_p), mask)
+    # The token term: the target's head on the predicted feature against its distribution at
+    # the true next feature, both over the full vocabulary (49k-152k), applied with the loss in
+    # row chunks (head_rows): neither the [B, T, V] label nor the draft's log-probabilities
+    # exist whole, and the label is recomputed in the backward from the [B, T, H] feature.
+    w = head.weight
+    drafted_ids = None
+    if getattr(core, "has_vocab_maps", False):
+        # A draft vocabulary: the drafter drafts the argmax over its rows only, so the
+        # accuracy (and the simulated τ from it) is that token's. The cross-entropy stays over
+        # the full head: it shapes the feature, and the head is the target's.
+        drafted_ids = vocab_target_ids(core.d2t).to(w.device)
+    rows = head_rows(
+        pred,
+        w,
+        bias=getattr(head, "bias", None),
+        p_hidden=target_feat,
+        p_head=lambda x: head(x.to(device=w.device, dtype=w.dtype)),
+        terms=("ce",),
+        metrics=("p_entropy",),
+        argmax=True,
+        argmax_cols=drafted_ids,
+        p_argmax=True,
+    )
+    token_loss = _masked_mean(rows["ce"], mask)
     loss = feature_weight * feature_loss + token_weight * token_loss
     with torch.no_grad():
-        if getattr(core, "has_vocab_maps", False):
-            # A draft vocabulary: the drafter drafts the argmax over its rows only, so the
-            # accuracy (and the simulated τ from it) is that token's. The cross-entropy above
-            # stays over the full head: it shapes the feature, and the head is the target's.
-            ids = vocab_target_ids(core.d2t).to(draft_logits.device)
-            drafted = ids[draft_logits.index_select(-1, ids).argmax(-1)]
-        else:
-            drafted = draft_logits.argmax(-1)
-        hit = drafted == target_arg
+        hit = rows["argmax"] == rows["p_argmax"]
         acc = _masked_mean(hit.float(), mask)
-        token_kl = token_loss.detach() - _masked_mean(_entropy(target_p), mask)
+        token_kl = token_loss.detach() - _masked_mean(rows["p_entropy"], mask)
     metrics = {
         "loss": loss.detach(),
         "feature_loss": feature_loss.detach(),
@@ -284,6 +299,23 @@ def eagle1_loss(
         "tokens": mask.sum(),
     }
     return loss, metrics
+
+
+def _ttt_head_loss(
+    kind: str, n: int, p: torch.Tensor, mask: torch.Tensor, eta: float
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[Any, ...]]:
+    """One TTT step's ``head_fn`` (:meth:`EagleDrafter.forward`): head and loss in row chunks.
+
+    Called inside the drafter's forward with the head's input ``[B, T, H]`` and weight, so
+    FSDP has the weight gathered; returns :func:`~.acceptance.draft_head_loss`'s ``(loss, ce,
+    alpha, rows)`` for the first ``n`` positions, ``rows["argmax"]`` the draft argmax (draft
+    ids). No ``[B, T, V_draft]`` logits or log-probabilities are kept for the backward.
+    """
+
+    def head_fn(head_in: torch.Tensor, weight: torch.Tensor) -> tuple[Any, ...]:
+        return draft_head_loss(kind, head_in[:, :n], weight, mask, eta=eta, p=p, argmax=True)
+
+    return head_fn
 
 
 def eagle3_ttt_loss(
@@ -302,7 +334,7 @@ def eagle3_ttt_loss(
     Step 0 reads the fused target features; step j > 0 reads the drafter's own step j-1 output
     at the same position as its feature, the ground-truth token one further on
     (``x_{t+1+j}``), RoPE position ``t + j`` (as at inference, where draft step j sits j
-    positions later), and attends with :func:`ttt_attention_mask`. Step j at position t thus
+    positions later), and attends as :func:`ttt_attention_mask` lays out. Step j at position t thus
     predicts ``x_{t+2+j}``, supervised with ``loss_mask[t + 2 + j]``.
 
     P-EAGLE (a drafter with ``mask_token_id``): the same unroll, except that step j > 0 reads
@@ -357,15 +389,17 @@ def eagle3_ttt_loss(
     rows = shift_left(supervised, 1) > 0 if supervised_labels_only else None
     # The draft vocab as target ids (arange + d2t): gathered without reading t2d on the host.
     vocab_ids = core.target_ids(torch.arange(cfg.draft_vocab_size, device=core.d2t.device))
-    target_p, target_arg = target_distribution(
-        hidden[cfg.target_num_layers].to(dev), target_lm_head, rows=rows, vocab_ids=vocab_ids
-    )
+    # The labels in the target head's own dtype, also inside a training loop's autocast region.
+    with torch.autocast(dev.type, enabled=False):
+        target_p, target_arg = target_distribution(
+            hidden[cfg.target_num_layers].to(dev), target_lm_head, rows=rows, vocab_ids=vocab_ids
+        )
     target_p, target_arg = target_p.to(dev), target_arg.to(dev)
     # Each position's entropy once (a metric): every step reads a slice of the same labels.
     entropy = _entropy(target_p)  # [B, T]
     base_pos = torch.arange(t, device=dev)[None].expand(b, -1)
 
-    cache = EagleCache()
+    keys = TTTKeys()
     total = torch.zeros((), device=dev)
     metrics: dict[str, torch.Tensor] = {}
     h = feats
@@ -376,21 +410,22 @@ def eagle3_ttt_loss(
             emb, h = core.placeholders(b, t)
         else:
             emb = core.embed(shift_left(ids, 1 + j))
-        att = ttt_attention_mask(t, j, attn)
-        h, logits = drafter(
-            emb, h, base_pos + j, attention_mask=att, cache=cache, return_logits=True
-        )
         # Positions t < T-1-j have a label (the target's distribution at t+1+j); slicing views
         # of target_p (not shifted copies) keeps one [B, T, V_draft] label tensor in memory
-        # however many steps autograd holds on to.
+        # however many steps autograd holds on to. The head and the loss run together inside
+        # the drafter's forward (head_fn): no [B, T, V_draft] logits are kept per step.
         n = max(t - 1 - j, 0)
-        logits = logits[:, :n]
         mask = shift_left(supervised, 2 + j)[:, :n] > 0
         p_j = target_p[:, 1 + j : 1 + j + n]
-        loss_j, ce_j, alpha_j = draft_loss(loss, logits, p_j, mask, eta=lk_eta)
+        head_fn = _ttt_head_loss(loss, n, p_j, mask, lk_eta)
+        # Step 0 causal over the verified keys, step j > 0 also its own position in steps 1..j
+        # (no mask: heads/attention.py keeps it linear in T x steps).
+        h, (loss_j, ce_j, alpha_j, rows) = drafter(
+            emb, h, base_pos + j, cache=keys, head_fn=head_fn
+        )
         total = total + decay**j * loss_j
         with torch.no_grad():
-            hit = core.target_ids(logits.argmax(-1)) == target_arg[:, 1 + j : 1 + j + n]
+            hit = core.target_ids(rows["argmax"]) == target_arg[:, 1 + j : 1 + j + n]
             metrics[f"acc_{j}"] = _masked_mean(hit.float(), mask)
             metrics[f"loss_{j}"] = loss_j.detach()
             metrics[f"kl_{j}"] = ce_j - _masked_mean(entropy[:, 1 + j : 1 + j + n], mask)

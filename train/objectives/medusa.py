@@ -43,13 +43,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...heads.medusa import MedusaHeads, build_tree, expected_acceptance_length
 from ..core.schedule import WarmupCosine
 from ..data.vocab import t2d_index
-from .acceptance import DRAFT_LOSSES, draft_loss
+from .acceptance import DRAFT_LOSSES, draft_head_loss
+from .chunked_loss import head_argmax, head_rows
 
 __all__ = [
     "HEAD_LABELS",
@@ -164,38 +164,50 @@ def medusa_head_losses(
             # Keep head k in the graph (DDP expects a gradient for every trainable parameter).
             total = total + heads.head_logits(k, hidden[:0, :0]).float().sum()
             continue
-        logits = heads.head_logits(k, hidden[b, t]).float()  # [n, N] (N = V: no draft vocab)
-        if labels == "data":
-            target_ids = input_ids[b, t + k + 2]
-            soft = None
+        # The head's projection and its loss together, in row chunks (head_rows): no [n, N]
+        # logits, log-probabilities or soft label are kept for the backward (N = V without a
+        # draft vocabulary: 49k-152k for real targets).
+        x = heads.head_hidden(k, hidden[b, t])  # [n, H]
+        proj = heads.projections()[k]
+        n_top = min(TOPK, heads.draft_vocab_size)
+        if labels == "target_soft":
+            # The teacher's distribution at t+k+1, restricted to the draft vocabulary and
+            # renormalised; recomputed from the [n, H] hidden states in the backward.
+            soft = {
+                "p_hidden": hidden[b, t + k + 1].detach(),
+                "p_head": teacher,
+                "p_cols": vocab_ids,
+                "p_argmax": True,  # the teacher's argmax over the full vocabulary
+            }
+            if head_loss != "kl":
+                every = torch.ones(b.shape[0], dtype=torch.bool, device=hidden.device)
+                loss_k, _, _, rows = draft_head_loss(
+                    head_loss, x, proj.weight, every, eta=lk_eta, bias=proj.bias, topk=n_top, **soft
+                )
+            else:
+                # Cross-entropy with the teacher's distribution (= KL + the teacher's entropy).
+                rows = head_rows(x, proj.weight, bias=proj.bias, terms=("ce",), topk=n_top, **soft)
+                loss_k = rows["ce"].mean()
+            target_ids = rows["p_argmax"]
         else:
-            with torch.no_grad():
-                teacher_logits = teacher(hidden[b, t + k + 1].detach()).float()
-            target_ids = teacher_logits.argmax(-1)  # over the full vocabulary
-            soft = None
-            if labels == "target_soft":
-                if vocab_ids is not None:  # restricted to the draft vocabulary, renormalised
-                    teacher_logits = teacher_logits.index_select(
-                        -1, vocab_ids.to(teacher_logits.device)
-                    )
-                soft = teacher_logits.softmax(-1)
-        if soft is not None and head_loss != "kl":
-            every = torch.ones(soft.shape[0], dtype=torch.bool, device=soft.device)
-            loss_k, _, _ = draft_loss(head_loss, logits, soft, every, eta=lk_eta)
-        elif soft is not None:
-            # Cross-entropy with the teacher's distribution (= KL + the teacher's entropy).
-            loss_k = -(soft * logits.log_softmax(-1)).sum(-1).mean()
-        elif to_draft is None:
-            loss_k = F.cross_entropy(logits, target_ids)
-        else:
-            # Labels outside the draft vocabulary are left out (mean over the others; 0 if none).
-            draft_ids = to_draft[target_ids]
-            inside = (draft_ids >= 0).sum()
-            loss_k = F.cross_entropy(logits, draft_ids, ignore_index=-1, reduction="sum")
-            loss_k = loss_k / inside.clamp_min(1)
+            if labels == "data":
+                target_ids = input_ids[b, t + k + 2]
+            else:  # the teacher's argmax over the full vocabulary, in row chunks
+                target_ids = head_argmax(
+                    hidden[b, t + k + 1].detach(), teacher, vocab=heads.vocab_size
+                )
+            # A draft vocabulary: labels outside it are -1, left out (mean over the others).
+            hard = target_ids if to_draft is None else to_draft[target_ids]
+            rows = head_rows(
+                x, proj.weight, bias=proj.bias, labels=hard, terms=("nll",), topk=n_top
+            )
+            if to_draft is None:
+                loss_k = rows["nll"].mean()
+            else:
+                loss_k = rows["nll"].sum() / (hard >= 0).sum().clamp_min(1)
         total = total + w * loss_k
         with torch.no_grad():
-            top = heads.target_ids(logits.topk(min(TOPK, logits.shape[-1]), dim=-1).indices)
+            top = heads.target_ids(rows["topk"])
             hit = top == target_ids[:, None]
             stats["head_loss"][k] = loss_k.detach()
             stats["correct1"][k] = hit[:, 0].sum()
@@ -378,19 +390,19 @@ class Medusa2Objective(nn.Module):
             target_loss = head_total.new_zeros(())
         else:
             # Next-token positions: t predicts t+1 where loss_mask[t+1] == 1.
+            # lm_head and loss in row chunks (head_rows): no [n, V] kept for the backward.
             b, t = loss_mask[:, 1:].bool().nonzero(as_tuple=True)
-            logits = lm_head(hidden[b, t]).float()
+            head = {"weight": lm_head.weight, "bias": lm_head.bias}
             if self.target_loss == "lm":
-                target_loss = F.cross_entropy(logits, input_ids[b, t + 1])
+                nll = head_rows(hidden[b, t], **head, labels=input_ids[b, t + 1], terms=("nll",))
+                target_loss = nll["nll"].mean()  # F.cross_entropy's mean
             else:
                 with torch.no_grad(), self.target.disable_adapter():
-                    ref = lm_head(self._hidden(input_ids, attention_mask)[b, t]).float()
-                target_loss = F.kl_div(
-                    logits.log_softmax(-1),
-                    ref.log_softmax(-1),
-                    log_target=True,
-                    reduction="batchmean",
-                )
+                    ref = self._hidden(input_ids, attention_mask)[b, t]
+                # KL(original ‖ adapted), the original's lm_head recomputed from its hidden
+                # states (the head carries no adapter); per row, then F.kl_div's "batchmean".
+                kl = head_rows(hidden[b, t], **head, p_hidden=ref, p_head=lm_head, terms=("fkl",))
+                target_loss = kl["fkl"].sum() / b.shape[0]
         out["head_total"] = head_total.detach()
         out["target_loss"] = target_loss.detach()
         out["loss"] = target_loss + self.head_weight * head_total

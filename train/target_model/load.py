@@ -25,6 +25,8 @@ import os
 import re
 import sys
 import time
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,7 @@ from .common import (
     TargetError,
     load_tokenizer,
 )
+from .sharded import NotShardable, SafetensorsWeights, local_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -50,8 +53,10 @@ __all__ = [
     "TargetError",
     "default_cache_dir",
     "describe_target",
+    "fill_target_shards",
     "hub_id_of_dir",
     "load_target",
+    "load_target_meta",
     "load_tokenizer",
     "main_prepare_target",
     "prepare_target",
@@ -182,6 +187,210 @@ def load_target(
 
     fast_cpu_linears(model)
     return model, tokenizer
+
+
+#: Models built by load_target_meta whose sharded weights are still to be read:
+#: model -> (the files' tensors, model tensor name -> name in the files).
+_PENDING: weakref.WeakKeyDictionary[torch.nn.Module, tuple[SafetensorsWeights, dict[str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def load_target_meta(
+    source: str | Path | None = None,
+    *,
+    cache_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    whole_layers: Sequence[int] = (),
+    quiet: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target with its decoder layers' weights still on the meta device (FSDP loading).
+
+    What :func:`load_target` gives (same class, config, generation config, dtype, buffers,
+    frozen, ``eval()``), except that the decoder layers hold no weights yet: every process of an
+    FSDP run shards them (``fully_shard`` works on meta tensors) and then reads only its own
+    rows of each weight from the files (:func:`fill_target_shards`). Everything outside the
+    decoder layers -- input embedding, final norm, output head -- is loaded whole now, on the
+    CPU: the run keeps the embedding and head whole on every process anyway, and code that
+    reads them before the target is placed (Medusa's heads copy the head) works as before.
+
+    The model is built by its own ``__init__`` with parameters on the meta device and buffers
+    real, so the buffers no file holds (rotary ``inv_freq``) are computed the way the model
+    computes them; persistent buffers are read from the files like weights.
+
+    Args:
+        source: see :func:`prepare_target` (a GGUF is converted to safetensors first).
+        cache_dir: see :func:`prepare_target`.
+        dtype: the weights' dtype (the files' dtype is converted while reading).
+        whole_layers: indices of decoder layers to load whole now as well (a distilled draft
+            copies them from the target before it is sharded); indices the target lacks are
+            left to the caller's own check.
+        quiet: no progress messages while preparing the target.
+
+    Returns:
+        ``(model, tokenizer)``; :func:`fill_target_shards` finishes the model after sharding.
+
+    Raises:
+        NotShardable: the target cannot be loaded shard by shard (no safetensors files,
+            quantized weights, weights converted or renamed on load, a tensor the files lack);
+            the caller falls back to :func:`load_target`.
+        TargetError: see :func:`prepare_target`; also if the config or tokenizer fail to load.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = _prepare(source, cache_dir=cache_dir, force=False, quiet=quiet, check_tokenizer=False)
+    weights = SafetensorsWeights.of_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise TargetError(f"cannot load the target's config from {path}: {exc}") from exc
+    if getattr(config, "quantization_config", None):
+        raise NotShardable("its weights are quantized (quantization_config)")
+    # Parameters on the meta device, buffers computed for real by the model's own __init__.
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    # Tied weights again: inside init_empty_weights, tying re-registers the shared parameter,
+    # which the context turns into a new meta tensor (two tensors, no longer tied).
+    model.tie_weights()
+    _check_plain_checkpoint(model, dtype)
+    keys = _file_keys(model, weights)
+    model.config.name_or_path = str(path)  # as from_pretrained sets it (target_fingerprint)
+    if model.can_generate() and (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    layers = _decoder_layers(model)
+    whole = {int(i) for i in whole_layers}
+    later = {id(p) for i, layer in enumerate(layers) if i not in whole for p in layer.parameters()}
+    state = model.state_dict(keep_vars=True)
+    now = [n for n, t in state.items() if id(t) not in later]
+    _materialize(model, now)
+    done: set[int] = set()
+    for name in now:
+        tensor = _tensor(model, name)
+        if id(tensor) not in done:  # a tied weight is read once
+            done.add(id(tensor))
+            weights.read_into(keys[name], tensor)
+    _PENDING[model] = (weights, keys)
+    model.eval()
+    model.requires_grad_(False)
+    from .kernels import fast_cpu_linears
+
+    fast_cpu_linears(model)  # what load_target does; layers still on meta are not patched
+    return model, load_tokenizer(path)
+
+
+def fill_target_shards(model: torch.nn.Module, names: Sequence[str]) -> int:
+    """Read the tensors ``names`` of a :func:`load_target_meta` model from its files.
+
+    Called after the model is sharded and its meta tensors were made real but empty: a sharded
+    parameter (an FSDP2 DTensor) gets this rank's rows of the weight, any other tensor the
+    whole weight. The model is then what :func:`load_target` would have given, sharded.
+
+    Args:
+        model: the model :func:`load_target_meta` returned (sharded in place).
+        names: the parameters and buffers to read (those that were on the meta device).
+
+    Returns:
+        The bytes read from the files.
+
+    Raises:
+        TargetError: a parameter sharded in a layout other than rows (see
+            :func:`~draftsmith.train.target_model.sharded.local_rows`).
+    """
+    weights, keys = _PENDING.pop(model)
+    read = 0
+    for name in names:
+        tensor = _tensor(model, name)
+        try:
+            rows = local_rows(tensor)
+        except NotShardable as why:  # sharded already: too late to load it whole instead
+            raise TargetError(f"cannot read this process's shard of {name}: {why}") from why
+        local = tensor.to_local() if rows is not None else tensor
+        read += weights.read_into(keys[name], local, rows)
+    from .kernels import fast_cpu_linears
+
+    fast_cpu_linears(model)
+    return read
+
+
+def _check_plain_checkpoint(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Refuse (NotShardable) a model whose checkpoint transformers converts while loading, or
+    whose dtype plan keeps some weights in fp32: read as stored, they would differ."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        transforms = get_model_conversion_mapping(model, add_legacy=False)
+    except Exception:  # an older/newer transformers without it: names are checked anyway
+        transforms = []
+    converted = [t for t in transforms if type(t).__name__ != "WeightRenaming"]
+    if converted:
+        raise NotShardable(f"transformers converts its weights on load ({type(model).__name__})")
+    if getattr(model, "_keep_in_fp32_modules_strict", None) or (
+        dtype == torch.float16 and getattr(model, "_keep_in_fp32_modules", None)
+    ):
+        raise NotShardable(f"{type(model).__name__} keeps some weights in fp32")
+
+
+def _file_keys(model: PreTrainedModel, weights: SafetensorsWeights) -> dict[str, str]:
+    """Each tensor of the model's state dict -> its name in the files, one name per tensor
+    (of tied weights such as ``lm_head.weight`` = ``embed_tokens.weight``, the one the files hold).
+
+    A checkpoint saved from the base model (no ``model.`` prefix) is matched as transformers
+    matches it; a tensor without a match of the same shape refuses sharded loading.
+    """
+    prefix = f"{model.base_model_prefix}."
+    state = model.state_dict(keep_vars=True)
+    names: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        names.setdefault(id(tensor), []).append(name)
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    keys: dict[str, str] = {}
+    for aliases in names.values():
+        found = [
+            (name, key)
+            for name in aliases
+            for key in (name, name.removeprefix(prefix))
+            if key in weights
+        ]
+        if not found:
+            raise NotShardable(f"its files have no tensor {aliases[0]}")
+        name, key = found[0]
+        if tuple(weights.shape(key)) != shapes[name]:
+            raise NotShardable(
+                f"{key} is {tuple(weights.shape(key))} in its files but {shapes[name]} in the model"
+            )
+        for alias in aliases:  # tied names read the one tensor
+            keys[alias] = key
+    return keys
+
+
+def _tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (a state-dict key) of ``model``."""
+    prefix, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(prefix) if prefix else model, attr)
+
+
+def _decoder_layers(model: PreTrainedModel) -> torch.nn.ModuleList:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise NotShardable(f"{type(model).__name__} has no decoder layer list (model.layers)")
+    return layers
+
+
+def _materialize(model: torch.nn.Module, names: Sequence[str]) -> None:
+    """Give the meta tensors among ``names`` empty CPU storage (tied parameters stay tied)."""
+    wanted = set(names)
+    new: dict[int, torch.nn.Parameter] = {}
+    for prefix, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            full = f"{prefix}.{name}" if prefix else name
+            if param is None or not param.is_meta or (full not in wanted and id(param) not in new):
+                continue
+            if id(param) not in new:
+                new[id(param)] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype), requires_grad=False
+                )
+            module._parameters[name] = new[id(param)]
 
 
 def main_prepare_target(argv: list[str] | None = None) -> int:
