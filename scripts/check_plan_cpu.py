@@ -40,10 +40,10 @@ def spec_for(args: argparse.Namespace, online: bool, seq_len: int):
     import torch
     from transformers import AutoConfig
 
-    from draftsmith.train.plan.simulate import StepSpec
+    from draftsmith.train.plan.simulate import StepSpec, target_config_with_layers
 
     config = AutoConfig.from_pretrained(str(args.arch), local_files_only=True)
-    config = type(config).from_dict({**config.to_dict(), "num_hidden_layers": args.layers})
+    config = target_config_with_layers(config, args.layers)
     return StepSpec(
         target_config=config,
         feature_layers=tuple(range(args.layers + 1))[-3:],

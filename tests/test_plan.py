@@ -148,6 +148,19 @@ def test_plan_command_for_an_8b_config(capsys, tmp_path):
     assert "does NOT fit" in capsys.readouterr().out
 
 
+def test_every_shipped_scale_config_plans(capsys):
+    """Each shipped 8B/70B config goes through the planner (exit 0: fits, 3: does not), never an
+    error: Qwen3's per-layer ``layer_types`` must be cut with the depth of the simulated target
+    (it was not: transformers refused the config)."""
+    configs = sorted((REPO / "recipes" / "configs").glob("eagle3_*b*.yaml"))
+    assert len(configs) >= 3
+    for config in configs:
+        code = cli(["plan", "--train-config", str(config), "--seq-len", "256", "--no-alternatives"])
+        out = capsys.readouterr()
+        assert code in (0, 3), f"{config.name}: {out.err}"
+        assert "GiB" in out.out
+
+
 def test_plan_command_names_a_bad_target(capsys):
     assert cli(["plan", "--target", "nobody/NoSuchModel", "--no-alternatives"]) == 2
     err = capsys.readouterr().err

@@ -140,6 +140,16 @@ def test_a_failing_kernel_falls_back_to_the_chunked_path(monkeypatch, kernel):
         assert attention.ttt_attention_path(ts[0]) == "chunked"
 
 
+def test_the_kernel_check_passes_when_first_asked_in_inference_mode(monkeypatch, recwarn):
+    """evaluate and bench decode under ``torch.inference_mode``: the one-time check must still
+    run its backward there (it failed, and the fused kernel was off for the whole process)."""
+    monkeypatch.setattr(attention, "_CHECKED", {})
+    q = torch.zeros(1, 4, 8, 16)
+    with torch.inference_mode():
+        assert attention.ttt_attention_path(q) == "cpu_flash"
+    assert not [w for w in recwarn if "chunked path" in str(w.message)]
+
+
 # --------------------------------------------------------------------------------------------
 # The drafter's unroll: the losses and gradients of the old dense path
 # --------------------------------------------------------------------------------------------

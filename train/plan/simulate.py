@@ -168,14 +168,18 @@ def eagle_config(spec: StepSpec) -> Any:
     )
 
 
-def _small_target_config(config: Any, layers: int) -> Any:
-    """``config`` with ``layers`` decoder layers (every other field as it is)."""
-    small = type(config).from_dict({**config.to_dict(), "num_hidden_layers": layers})
-    for key in ("layer_types",):  # per-layer lists some configs carry (Qwen3, Gemma)
-        value = getattr(config, key, None)
-        if isinstance(value, list):
-            setattr(small, key, value[:layers])
-    return small
+def target_config_with_layers(config: Any, layers: int) -> Any:
+    """``config`` with ``layers`` decoder layers, every other field as it is.
+
+    Per-layer lists (``layer_types``: Qwen3, Gemma; any list as long as the layer count) are cut
+    to the new depth before the config is rebuilt: transformers validates their length.
+    """
+    data = config.to_dict()
+    n = data.get("num_hidden_layers")
+    for key, value in data.items():
+        if isinstance(value, list) and n is not None and len(value) == n and key != "architectures":
+            data[key] = value[:layers]
+    return type(config).from_dict({**data, "num_hidden_layers": layers})
 
 
 @contextlib.contextmanager
@@ -222,7 +226,7 @@ def build_step(spec: StepSpec, target: torch.nn.Module | None = None) -> dict[st
         # The embedding and head at full size; for online features, one layer of the real
         # shape per hidden state kept, which is all a hooked frozen forward holds at once.
         depth = len(wanted) if spec.online else 1
-        small = _small_target_config(spec.target_config, depth)
+        small = target_config_with_layers(spec.target_config, depth)
         target = AutoModelForCausalLM.from_config(small, dtype=spec.target_dtype)
         layers = {real: i + 1 for i, real in enumerate(wanted)}
     else:
