@@ -5,6 +5,7 @@ input is one line that says which command makes it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -74,8 +75,23 @@ def _input(cfg: object) -> Path | None:
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
 def test_shipped_config_loads(path):
-    cfg = load_config(CLASSES[_recipe(path)], path)
-    assert cfg is not None
+    """Each YAML key is a field of the recipe's config and arrives with the YAML's value (a
+    loader that dropped or renamed a key, or let a default win, fails here), and the file
+    overrides at least one default (else it tests nothing)."""
+    raw = yaml.safe_load(path.read_text())
+    cls = CLASSES[_recipe(path)]
+    cfg = load_config(cls, path)
+    default = cls()
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    assert set(raw) <= fields, f"{path.name}: not fields: {sorted(set(raw) - fields)}"
+    for key, value in raw.items():
+        got = getattr(cfg, key)
+        if isinstance(value, str) and isinstance(got, Path):
+            value = Path(value).expanduser()  # strings are accepted for Paths
+        elif isinstance(value, list) and isinstance(got, tuple):
+            got = list(got)
+        assert got == value, f"{path.name}: {key} = {got!r}, the YAML says {value!r}"
+    assert any(getattr(cfg, k) != getattr(default, k) for k in raw), path.name
 
 
 def test_every_command_has_a_parse_only_config():

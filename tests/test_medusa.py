@@ -408,19 +408,30 @@ def test_tree_proposal_shape_at_every_temperature(target):
 
 
 def test_sampled_tree_runs_in_the_loop(target):
+    """A sampled Medusa tree is verified as a tree (several nodes a step), its counters add up
+    (each target forward emits one token plus the drafts it accepted), and the generator alone
+    decides the output: the same seed gives the same tokens, another seed others."""
     heads = MedusaHeads.from_target(target, num_heads=3, num_layers=1)
     proposer = MedusaProposer(heads, 4, TREE[:6])
-    gen = torch.Generator().manual_seed(0)
-    out = generate(
-        target,
-        torch.tensor([[1, 2, 3]]),
-        proposer,
-        k=3,
-        max_new_tokens=20,
-        sampling=SamplingParams(temperature=1.0),
-        generator=gen,
-    )
-    assert len(out.tokens) == 20
+
+    def run(seed: int):
+        return generate(
+            target,
+            torch.tensor([[1, 2, 3]]),
+            proposer,
+            k=3,
+            max_new_tokens=20,
+            sampling=SamplingParams(temperature=1.0),
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    out = run(0)
+    assert len(out.tokens) == 20 and all(0 <= t < V for t in out.tokens)
+    assert out.draft_steps > 0 and out.draft_steps < out.proposed <= 6 * out.draft_steps
+    assert len(out.tokens) == out.target_forwards + out.accepted
+    assert sum(out.accepted_per_position) == out.accepted
+    assert run(0).tokens == out.tokens
+    assert run(1).tokens != out.tokens
 
 
 def test_medusa_proposer_from_a_run_directory(target, tmp_path):

@@ -261,18 +261,18 @@ def test_offline_cache_gives_the_same_heads_as_online(tmp_path, tiny_target_dir)
 
 def test_offline_cache_of_truncated_samples_is_accepted(tmp_path, tiny_target_dir):
     """A cache built at max_length from longer samples matches the trainer's data (the
-    fingerprint is taken over the samples as truncated to max_length, as the cache's is)."""
+    fingerprint is taken over the samples as truncated to max_length, as the cache's is): the
+    heads trained from it equal the heads trained online at that max_length."""
     lengths = cache_final_layer(tmp_path, tiny_target_dir, max_length=40)
     assert max(lengths) > 40  # some samples are truncated
-    offline = args(
-        tmp_path,
-        tiny_target_dir,
-        save_every=0,
-        max_length=40,
-        hidden_states="offline",
-        hidden_states_cache=tmp_path / "cache",
-    )
-    assert train_medusa(offline) == 0
+    common = dict(save_every=0, max_length=40, target_dtype="fp32")  # fp32: the cache's features
+    assert train_medusa(args(tmp_path, tiny_target_dir, **common)) == 0
+    offline = dict(hidden_states="offline", hidden_states_cache=tmp_path / "cache")
+    off_argv = args(tmp_path, tiny_target_dir, **common, **offline, output_dir=tmp_path / "off")
+    assert train_medusa(off_argv) == 0
+    on, off = load_medusa(tmp_path / "run" / "heads"), load_medusa(tmp_path / "off" / "heads")
+    for (name, a), b in zip(on.state_dict().items(), off.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_medusa2_writes_the_merged_target(tmp_path, tiny_target_dir):
