@@ -282,18 +282,24 @@ def test_no_sdpa_call_has_both_a_mask_and_grouped_heads(monkeypatch, kernel, tgt
     assert not [c for c in calls if c[0] and c[1]], calls
 
 
-def test_nothing_of_t_by_t_size_is_kept_for_the_backward(tgt):
-    """One unroll of 4 steps at T = 200: every tensor autograd saves is linear in T."""
-    t = 200
+def _full_batch(tgt, t: int) -> dict:
+    """One random sample of ``t`` tokens, every position supervised, with the target's hidden
+    states (the shape a TTT unroll reads)."""
     ids = torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hs = dict(enumerate(tgt(ids, output_hidden_states=True).hidden_states))
-    batch = {
+    return {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
         "loss_mask": torch.ones_like(ids),
         "hidden_states": hs,
     }
+
+
+def test_nothing_of_t_by_t_size_is_kept_for_the_backward(tgt):
+    """One unroll of 4 steps at T = 200: every tensor autograd saves is linear in T."""
+    t = 200
+    batch = _full_batch(tgt, t)
     d2t, t2d = _vocab(48)
     drafter = build_drafter(tgt, _config(tgt, 3, 48), d2t, t2d, seed=0)
     sizes = []
@@ -418,15 +424,7 @@ def test_dflash_loss_keeps_no_all_blocks_mask_for_the_backward(tgt):
     from draftsmith.train.objectives.dflash import dflash_loss
 
     t = 300
-    ids = torch.randint(0, 64, (1, t), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        hs = dict(enumerate(tgt(ids, output_hidden_states=True).hidden_states))
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "loss_mask": torch.ones_like(ids),
-        "hidden_states": hs,
-    }
+    batch = _full_batch(tgt, t)
     cfg = DFlashConfig.from_target(
         tgt.config, block_size=8, num_layers=1, mask_token_id=5, feature_layers=[1, 2, 3]
     )
