@@ -61,8 +61,10 @@ this machine's rates, measured once per job right after the target is prepared (
 few seconds on the device; ``plan.probe`` in ``quickstart.json``; a rerun reuses them, so the
 same command makes the same plan; ``--no-probe`` plans with the 2-core-CPU reference rates).
 When the prompts and answers come out faster than planned, the job makes more of them before it
-trains (``plan.grown``), so training stays near the epochs the plan bought data for; training is
-sized when it starts, from the time really spent.
+trains (``plan.grown``), so training stays near the epochs the plan bought data for; when they
+come out slower, the prompts stage stops at 1.25x its estimate and the answers stage answers only
+what the measured rate fits in its estimate (``plan.shrunk``), so a probe that overpromised does
+not eat training's share; training is sized when it starts, from the time really spent.
 **Resume** (``draftsmith.train.jobs.stages``): a rerun skips every stage whose output is complete
 and whose settings and inputs are unchanged, and continues a stage cut short; changed settings
 rerun that stage and every later one; ``--overwrite`` starts over. docs/quickstart.md has more.
@@ -109,6 +111,7 @@ from ..train.jobs.budget import (
     grow_plan,
     make_plan,
     plan_lines,
+    shrink_records,
     speed_factor,
     train_schedule,
 )
@@ -210,6 +213,13 @@ TREE_NODES = 5
 DRAFT_VOCAB_SIZE = 8192  # the shipped config's: ~97 % of SmolLM2's answer tokens
 MAGPIE_MAX_NEW_TOKENS = 64  # a user message; longer candidates are cut ("unfinished") early
 MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget, not the count
+# The data stages' time limits, as a multiple of their estimates: the probe's rates come from a
+# few seconds of work and a noisy machine can make them 2x too fast (a fresh clone's probe on a
+# 2-core CPU measured 532 generation tokens/s where the stages then ran at 139 and 364; the prompts
+# took 488 s for an estimated 277, the answers 448 for 318, and training got 5.2 min of a planned
+# 11). Past 1.25x its estimate the prompts stage stops with what it made, and the answers stage
+# answers only as many prompts as the rate the prompts really came at fits in its estimate.
+DATA_TIME_SLACK = 1.25
 # Prompts decoded together by Magpie and self-distillation on the CPU (~185-300 tok/s in bf16) and
 # without a probe; the probe picks a GPU's (budget.generation_batch_size).
 BATCH_SIZE = 64
@@ -606,14 +616,17 @@ class Quickstart(StageJob):
             eval_rates=eval_rates,
         )
         base = self.plan.record(cfg.budget_minutes, self.rates)
-        grown = recorded.get("grown")
+        grown, shrunk = recorded.get("grown"), recorded.get("shrunk")
         if not (grown and recorded.get("probe_key") == key and grown.get("from") == _sizes(base)):
             grown = None
+        if not (shrunk and recorded.get("probe_key") == key and shrunk.get("from") == _sizes(base)):
+            shrunk = None  # another plan: its prompts stage decides again (_shrunk_records)
         self.state["plan"] = {
             **base,
             "probe": record,
             "probe_key": key,
             **({"grown": grown} if grown else {}),
+            **({"shrunk": shrunk} if shrunk else {}),
         }
         if grown:
             # The data grew in an earlier invocation (_grow_data): the same sizes again, so a
@@ -643,7 +656,7 @@ class Quickstart(StageJob):
         made = [stages.get("prompts", {}), stages.get("distill", {})]
         if any(self.this_run.get(n) != "ran" for n in ("prompts", "distill")):
             return False
-        if made[0].get("exhausted") or "grown" in self.state["plan"]:
+        if made[0].get("exhausted") or {"grown", "shrunk"} & set(self.state["plan"]):
             return False
         factor = generation_factor(made, self.rates)
         if factor is None:
@@ -738,10 +751,25 @@ class Quickstart(StageJob):
                 return {"exhausted": True, "magpie_made": count_lines(output, MAGPIE_LINE)}
             return None
 
+        def time_limited() -> bool:
+            return read_meta(output).get("stopped") == "max_seconds"
+
         def complete() -> bool:
             return output.is_file() and (
-                read_meta(output).get("complete") is True or bool(exhausted())
+                read_meta(output).get("complete") is True or bool(exhausted()) or time_limited()
             )
+
+        def after() -> dict[str, Any]:
+            if not time_limited():
+                return {}
+            made = count_lines(output, MAGPIE_LINE)
+            self._say(
+                f"      the target wrote {made} of {plan.magpie} prompts in the stage's time "
+                f"({minutes(limit_s)}): this machine generates slower than its probe said; "
+                "going on with those",
+                style="yellow",
+            )
+            return {"time_limited": True, "magpie_made": made}
 
         def accept(code: int) -> dict[str, Any] | None:
             # Out of attempts: the target kept fewer candidates than planned. The file is valid;
@@ -773,24 +801,79 @@ class Quickstart(StageJob):
                 **self._runtime(),
             ),
         ]
+        # The generation's time limit (the target's load is not in it), at least a minute: not
+        # part of the stage's identity, so a rerun with another limit continues the same output.
+        limit_s = max(60.0, (plan.estimates["prompts"] - self.rates.load_s) * DATA_TIME_SLACK)
+        volatile = flags(max_minutes=round(limit_s / 60, 2)) if plan.magpie else []
         return Stage(
             name="prompts",
             title=f"training prompts: {f'{plan.seeds} of yours + ' if plan.seeds else ''}"
             f"{plan.magpie} by the target",
-            argv=argv,
+            argv=argv + volatile,
             output=output,
             complete=complete,
             identity={**strict, "num": plan.magpie, "max_attempts": attempts},
             strict=strict,
             restart=("--overwrite",),
             accept=accept,
+            after=after,
             estimate_s=plan.estimates["prompts"],
         )
+
+    def _shrunk_records(self, available: int) -> int | None:
+        """The answers to make when the prompts came out slower than planned, else None.
+
+        The prompts stage says how fast the target really generates on this machine; the answers
+        stage then answers what fits its estimate at that rate (:func:`~.budget.shrink_records`),
+        so the time the probe overpromised is not taken from training. Decided once, after
+        this invocation's prompts stage ran whole, and kept in the state (``plan.shrunk``): a
+        rerun answers the same records.
+        """
+        recorded = self.state.get("plan", {}).get("shrunk")
+        if recorded is not None:
+            return recorded["records"]
+        rec = self.state["stages"].get("prompts", {})
+        plan = self.plan
+        if (
+            self.this_run.get("prompts") != "ran"
+            or rec.get("runs") != 1
+            or not plan.magpie
+            or "grown" in self.state.get("plan", {})
+        ):
+            return None
+        planned = plan.records or plan.seeds + plan.magpie
+        shrunk = shrink_records(
+            planned,
+            available=available,
+            planned_prompts=plan.magpie,
+            candidates=(read_meta(self.out / PROMPTS).get("progress") or {}).get("next_index", 0),
+            estimate_s=rec.get("estimate_s", 0.0),
+            measured_s=rec.get("last_seconds", 0.0),
+            load_s=self.rates.load_s,
+        )
+        if shrunk is None:
+            return None
+        records, share = shrunk
+        self.state["plan"]["shrunk"] = {
+            "from": _sizes(self.state["plan"]),
+            "records": records,
+            "generation_share": round(share, 3),
+        }
+        self._save_state()
+        self._say(
+            f"the prompts came out at {share:.2f}x the planned rate: answering {records} of "
+            f"the {available} prompts, so the answers fit their time and training keeps its share",
+            "yellow",
+        )
+        return records
 
     def _distill(self) -> Stage:
         plan, cfg = self.plan, self.cfg
         output = self.out / ANSWERS
         available = count_lines(self.out / PROMPTS)
+        shrunk = self._shrunk_records(available)
+        if shrunk is not None:
+            plan = dataclasses.replace(plan, records=shrunk)
         answered = min(plan.records or available, available)
         strict = {"max_new_tokens": cfg.max_new_tokens, "dtype": plan.dtype, "target": cfg.target}
         argv = [
@@ -1075,8 +1158,8 @@ class Quickstart(StageJob):
         )
 
     def _data_facts(self) -> dict[str, Any]:
-        """The records trained on, the epochs planned over them, and the growth (if any)."""
-        grown = self.state["plan"].get("grown")
+        """The records trained on, the epochs planned over them, and the growth or shrinking."""
+        grown, shrunk = self.state["plan"].get("grown"), self.state["plan"].get("shrunk")
         schedule = self.state["stages"].get("train", {}).get("schedule") or {}
         return {
             "records": sum(count_lines(f) for f in self._answer_files()),
@@ -1088,6 +1171,14 @@ class Quickstart(StageJob):
                 "generation_factor": grown["generation_factor"],
             }
             if grown
+            else None,
+            "shrunk": {
+                "from": shrunk["from"]["records"]
+                or self.plan.seeds + shrunk["from"]["magpie_prompts"],
+                "records": shrunk["records"],
+                "generation_share": shrunk["generation_share"],
+            }
+            if shrunk
             else None,
         }
 

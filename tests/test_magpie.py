@@ -422,6 +422,26 @@ def test_exhausted_attempts_stop_and_resume(tmp_path, writer, tok):
     assert out.read_bytes() == ref.read_bytes()
 
 
+def test_a_time_limit_stops_with_what_was_made_and_resumes(tmp_path, writer, tok):
+    """max_seconds (the quickstart's share of its budget): the run stops between batches once
+    past it, keeps what it made, records why in its meta, and a rerun without it finishes the
+    same file a run without a limit writes."""
+    from draftsmith.train.datagen.resumable import meta_file
+
+    out = tmp_path / "o.jsonl"
+    stats = run(writer, tok, out, num=6, max_seconds=0.0)  # one batch of 4, then the limit
+    assert stats.time_limited and not stats.exhausted
+    assert stats.made < 6 and sum(stats.counts.values()) == 4
+    meta = json.loads(meta_file(out).read_text())
+    assert meta["stopped"] == "max_seconds" and meta["complete"] is False
+    stats = run(writer, tok, out, num=6)
+    assert not stats.time_limited and stats.made == 6
+    assert "stopped" not in json.loads(meta_file(out).read_text())
+    ref = tmp_path / "ref.jsonl"
+    run(writer, tok, ref, num=6)
+    assert out.read_bytes() == ref.read_bytes()
+
+
 def test_greedy_is_refused(tmp_path, writer, tok):
     with pytest.raises(ValueError, match="sampling"):
         run(writer, tok, tmp_path / "o.jsonl", sampling=SamplingParams())
@@ -486,6 +506,13 @@ def test_cli_combines_and_distill_answers(tmp_path, tiny_target_dir, capsys):
     capsys.readouterr()
     assert main_prompts([*args, "--output", str(tmp_path / "m.jsonl")]) == 1
     assert "made 0 of 2 Magpie prompts before max_attempts" in _error_line(capsys)
+
+    # A time limit is not a failure: exit 0 with what was made, and how to make the rest.
+    args = [*base, "--num", "2", "--max-new-tokens", "4", "--no-progress"]
+    capsys.readouterr()
+    code = main_prompts([*args, "--max-minutes", "1e-9", "--output", str(tmp_path / "t.jsonl")])
+    assert code == 0  # one batch: the random target ends no turn in 4 tokens, so 0 made
+    assert "stopped at --max-minutes 1e-09 with 0 of 2 Magpie prompts" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_locked_output(tmp_path, tiny_target_dir, capsys):

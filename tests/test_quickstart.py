@@ -25,6 +25,7 @@ from draftsmith.train.jobs.budget import (
     generation_factor,
     grow_plan,
     make_plan,
+    shrink_records,
 )
 from draftsmith.train.report.quickstart import vllm_serve_command
 from tests.conftest import byte_tokenizer, tiny_llama
@@ -691,6 +692,31 @@ def test_data_made_faster_than_planned_buys_records_not_epochs():
         assert grow_plan(plan_fixed, fixed, RATES, spent_s=60.0, factor=3.0) is None
 
 
+def test_data_made_slower_than_planned_answers_what_fits():
+    """The fresh-clone job whose probe said 532 generation tokens/s: its prompts stage decoded
+    1856 candidates in 488 s for an estimated 277 (5 s of each the start); answering all 1447
+    prompts then took 448 s of an estimated 318, leaving training 5 of its planned 11 minutes.
+    At the rate the prompts came, the answers stage answers what its estimate fits."""
+    kw = dict(planned_prompts=1447, estimate_s=276.8, load_s=5)
+    records, share = shrink_records(1447, available=1447, candidates=1856, measured_s=487.7, **kw)
+    assert share == pytest.approx(1856 / (1447 * 1.3) * 271.8 / 482.7)  # 0.556
+    assert records == int(1447 * share) == 803
+    # Stopped at its time limit (1.25 x the estimate) after 1320 candidates and 1030 prompts:
+    # the same rate, and the answers stage's estimate (for 1447) fits 812 of them.
+    records, share = shrink_records(1447, available=1030, candidates=1320, measured_s=344.8, **kw)
+    assert share == pytest.approx(1320 / (1447 * 1.3) * 271.8 / 339.8) and records == 812
+    # A low kept share is not a slow machine: 1880 candidates kept 500 prompts in the time
+    # limit, a rate that fits all 500 answers.
+    assert shrink_records(1447, available=500, candidates=1880, measured_s=344.8, **kw) is None
+    # As planned, faster, or within the noise: the plan stays.
+    for measured in (276.8, 200.0, 290.0):
+        assert (
+            shrink_records(1447, available=1447, candidates=1881, measured_s=measured, **kw) is None
+        )
+    kw["planned_prompts"] = 0  # only your prompts: no rate measured
+    assert shrink_records(800, available=800, candidates=0, measured_s=9, **kw) is None
+
+
 def test_more_user_prompts_than_the_budget_buys_are_cut_to_what_fits():
     """A --prompts file larger than the budget answers and trains on: the plan takes the first
     that fit (epochs ~TARGET_EPOCHS) instead of answering them all and training a minute; a
@@ -961,6 +987,41 @@ def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monke
     # A rerun keeps the grown sizes: nothing is redone.
     code, printed = run_job(argv)
     assert code == 0 and {s["runs"] for s in state(out)["stages"].values()} <= {0, 1, 2}
+    assert runs == {name: s["runs"] for name, s in state(out)["stages"].items()}
+
+
+def test_slow_prompts_shrink_the_answers_and_a_rerun_keeps_them(tmp_path, monkeypatch, job):
+    """When the prompts came out slower than planned (faked here: shrink_records answers 2
+    fewer), the answers stage answers fewer, the summary says why, and a rerun redoes nothing.
+    The prompts stage runs under its time limit (--max-minutes, not part of its identity)."""
+    from draftsmith.recipes import quickstart
+
+    seen = {}
+
+    def shrink(planned, **kw):
+        seen.update(kw, planned=planned)
+        return kw["available"] - 2, 0.5
+
+    monkeypatch.setattr(quickstart, "shrink_records", shrink)
+    out = tmp_path / "out"
+    argv = [*job.argv]
+    argv[argv.index("--out-dir") + 1] = out
+    code, printed = run_job(argv)
+    assert code == 0, printed
+    st = state(out)
+    assert "--max-minutes " in printed.split("[2/10]")[1].split("[3/10]")[0]
+    assert seen["planned_prompts"] == 3 and seen["candidates"] >= 3
+    assert seen["estimate_s"] == st["stages"]["prompts"]["estimate_s"]
+    answered = len((out / "data/answers.jsonl").read_text().splitlines())
+    assert answered == seen["available"] - 2 == st["plan"]["shrunk"]["records"]
+    assert f"came out at 0.50x the planned rate: answering {answered} of the" in printed
+    assert f"{answered} of the planned {seen['planned']} answered" in printed
+    runs = {name: s.get("runs", 0) for name, s in st["stages"].items()}
+    assert runs == {**dict.fromkeys(RAN, 1), "sampled": 0}
+    # A rerun keeps the shrunk sizes (no new decision: this run's prompts stage did not run).
+    monkeypatch.setattr(quickstart, "shrink_records", None)
+    code, printed = run_job(argv)
+    assert code == 0, printed
     assert runs == {name: s["runs"] for name, s in state(out)["stages"].items()}
 
 

@@ -121,6 +121,8 @@ class PromptStats:
             cut back behind its meta file); ``counts`` then covers fewer candidates.
         discarded_partial_line: Whether a half-written last line was cut from the output.
         exhausted: The run stopped at ``max_attempts`` before making ``num`` prompts.
+        time_limited: The run stopped at ``max_seconds`` before making ``num`` prompts (the
+            output is valid and resumable; the meta records ``"stopped": "max_seconds"``).
     """
 
     requested: int = 0
@@ -136,6 +138,7 @@ class PromptStats:
     counts_complete: bool = True
     discarded_partial_line: bool = False
     exhausted: bool = False
+    time_limited: bool = False
 
     def summary(self) -> str:
         """A few lines for the terminal."""
@@ -257,6 +260,7 @@ def make_prompts(
     meta: dict[str, Any] | None = None,
     on_batch: Callable[[int], None] | None = None,
     lock: bool = True,
+    max_seconds: float | None = None,
 ) -> PromptStats:
     """Write ``seeds`` (deduplicated) and then ``num`` filtered Magpie prompts to ``output``.
 
@@ -285,6 +289,9 @@ def make_prompts(
         on_batch: Called with the number of batches done by this call, after each batch is on
             disk (tests use it to simulate a kill).
         lock: Hold ``<output>.lock`` while writing; pass False when the caller holds it.
+        max_seconds: Stop after the first batch that ends past this many seconds of generation
+            (``stats.time_limited``): a job with a time budget (the quickstart) keeps what was
+            made in the stage's share of it rather than making every prompt at any cost.
 
     Returns:
         Counters of the run.
@@ -379,9 +386,10 @@ def make_prompts(
         stats.made = sum(1 for i in in_file if i < start)
         resumed_last = last_written
 
-        def save_checkpoint(next_index: int, complete: bool) -> None:
+        def save_checkpoint(next_index: int, complete: bool, stopped: str | None = None) -> None:
             state = {"next_index": next_index, "last_written": last_written, "ranges": ranges}
-            write_meta(meta_path, {"settings": settings, "complete": complete, "progress": state})
+            record = {"settings": settings, "complete": complete, "progress": state}
+            write_meta(meta_path, {**record, **({"stopped": stopped} if stopped else {})})
 
         save_checkpoint(start, False)
         device = next(model.parameters()).device
@@ -470,14 +478,18 @@ def make_prompts(
                         bar.set_postfix_str(f"{tried} tried, {share:.0f} % kept")
                     if on_batch is not None:
                         on_batch(batches)
+                    if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                        stats.time_limited = stats.made < num
+                        break
             finally:
                 os.close(fd)
         finally:
             stats.seconds = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
-        stats.exhausted = stats.made < num
-        save_checkpoint(index, not stats.exhausted)
+        stats.exhausted = stats.made < num and not stats.time_limited
+        stopped = "max_seconds" if stats.time_limited else None
+        save_checkpoint(index, stats.made >= num, stopped)
         return stats
 
 

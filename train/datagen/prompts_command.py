@@ -94,6 +94,12 @@ class PromptsConfig:
     max_attempts: int | None = cfg_field(
         None, help="stop after this many candidates; none = 20 x num + batch size", ge=1
     )
+    max_minutes: float | None = cfg_field(
+        None,
+        help="stop after the batch that ends past this many minutes of generation, with the "
+        "prompts made so far (exit 0; the output is resumable: rerun to make the rest)",
+        gt=0,
+    )
     overwrite: bool = cfg_field(False, help="start again even when the output exists")
     threads: int | None = cfg_field(
         None, help="torch CPU threads when the device is the CPU; none = torch's choice"
@@ -121,7 +127,7 @@ def main_prompts(argv: list[str] | None = None) -> int:
         argv: Arguments without the program/subcommand name; ``None`` means ``sys.argv[1:]``.
 
     Returns:
-        Exit code: 0 done; 2 bad config, input or output state; 1 the run failed (target,
+        Exit code: 0 done (or stopped at ``max_minutes``); 2 bad config, input or output state; 1 the run failed (target,
         another process writing the output, disk full, ``max_attempts`` reached first).
     """
     return cli_main(_main_prompts, argv)
@@ -194,8 +200,14 @@ def _main_prompts(argv: list[str]) -> int:
             progress=cfg.progress,
             meta={"target": cfg.target},
             lock=False,
+            max_seconds=None if cfg.max_minutes is None else 60 * cfg.max_minutes,
         )
     print(stats.summary())
+    if stats.time_limited:
+        print(
+            f"stopped at --max-minutes {cfg.max_minutes:g} with {stats.made} of {stats.requested} "
+            f"Magpie prompts; rerun the same command without it to make the rest"
+        )
     if stats.exhausted:
         raise RunError(
             f"made {stats.made} of {stats.requested} Magpie prompts before max_attempts "

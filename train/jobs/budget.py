@@ -61,6 +61,7 @@ __all__ = [
     "make_plan",
     "plan_lines",
     "probe_rates",
+    "shrink_records",
     "speed_factor",
     "train_schedule",
 ]
@@ -409,6 +410,57 @@ def generation_factor(stage_records: list[dict[str, Any]], rates: Rates) -> floa
     if not measured:
         return None
     return min(MAX_GENERATION_FACTOR, max(1 / MAX_GENERATION_FACTOR, estimated / measured))
+
+
+#: The prompts' rate, as a share of the plan's, under which the answers stage answers fewer.
+SHRINK_BELOW = 0.9
+#: Magpie candidates judged per kept prompt (``magpie_tokens_per_prompt`` assumes about 1.3):
+#: 1020 for 791, 1029 for 799 and 1856 for 1447 in three fresh-clone 30-minute jobs (2026-12-06).
+CANDIDATES_PER_PROMPT = 1.3
+
+
+def shrink_records(
+    planned: int,
+    *,
+    available: int,
+    planned_prompts: int,
+    candidates: int,
+    estimate_s: float,
+    measured_s: float,
+    load_s: float,
+) -> tuple[int, float] | None:
+    """Fewer records to answer when the prompts stage generated slower than planned.
+
+    The target's generation rate as a share of the plan's is ``f = (candidates / (planned prompts
+    x CANDIDATES_PER_PROMPT)) x (estimated / measured seconds)``, each time less a stage start
+    (``load_s``): the stage decoded ``candidates`` in ``measured`` seconds where the plan had
+    about ``planned_prompts x 1.3`` in ``estimated`` (a stage stopped at its time limit decoded
+    fewer; candidates, not kept prompts, so a low kept share is not taken for a slow machine).
+    The answers come from the same target, so ``f x planned`` answers fit the answers stage's
+    estimate.
+
+    Args:
+        planned: the records the plan answers (what the answers stage's estimate is for).
+        available: the prompts there are (a prompts stage stopped at its time limit made fewer).
+        planned_prompts: the prompts the plan had the target write.
+        candidates: the candidates the prompts stage decoded.
+        estimate_s: the prompts stage's estimate.
+        measured_s: its measured seconds (one whole run).
+        load_s: the stage start in both.
+
+    Returns:
+        ``(records, f)``, or None when ``f >= SHRINK_BELOW`` (within the noise of a plan), when
+        the rate fits every available prompt, or when there is nothing to measure.
+    """
+    if planned <= 1 or planned_prompts <= 0 or candidates <= 0 or measured_s <= 0:
+        return None
+    estimated = max(estimate_s - load_s, 1.0)
+    measured = max(measured_s - load_s, 1.0)
+    share = candidates / (planned_prompts * CANDIDATES_PER_PROMPT) * (estimated / measured)
+    records = max(1, min(available, math.floor(planned * share)))
+    if share >= SHRINK_BELOW or records >= available:
+        return None
+    return records, share
 
 
 def grow_plan(

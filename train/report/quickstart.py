@@ -162,8 +162,8 @@ def validation_line(figures: dict[str, Any]) -> str:
 
 
 def data_line(data: dict[str, Any]) -> str:
-    """One line: the records trained on, the epochs over them, and whether the data grew
-    (the job's plan, ``plan.grown``)."""
+    """One line: the records trained on, the epochs over them, and whether the data grew or
+    shrank (the job's plan, ``plan.grown``, ``plan.shrunk``)."""
     epochs = data.get("epochs")
     sampled = data.get("sampled_answers")
     text = (
@@ -176,6 +176,12 @@ def data_line(data: dict[str, Any]) -> str:
         text += (
             f"; grown from the plan's {grown['from']} because the prompts and answers came "
             f"out {grown['generation_factor']:.1f}x as fast as planned"
+        )
+    shrunk = data.get("shrunk")
+    if shrunk:
+        text += (
+            f"; {shrunk['records']} of the planned {shrunk['from']} answered because the "
+            f"prompts came out at {shrunk['generation_share']:.2f}x the planned rate"
         )
     return text
 
