@@ -5,7 +5,7 @@ Launch::
     draftsmith bench --drafter ngram eagle=runs/eagle3_smollm2/best \
         eagle-tree=runs/eagle3_smollm2/best hf-prompt-lookup --k 3 --out results/bench/smollm2
     draftsmith bench --drafter ngram draft-lm --draft-layers 0 10 20 29 --temperatures 0 0.7 \
-        --prompts ../shared/data/alpaca_2k.jsonl --split heldout --limit 200 --shard 0/2 \
+        --prompts my_prompts.jsonl --split heldout --limit 200 --shard 0/2 \
         --out results/bench/s0          # one process per core, then:
     draftsmith bench --merge results/bench/s0.json results/bench/s1.json \
         --out results/bench/smollm2 --training-logs runs/eagle3_smollm2
@@ -495,7 +495,7 @@ examples:
   draftsmith bench ... --shard 0/2 --out results/bench/s0 &   # one process per core
   draftsmith bench ... --shard 1/2 --out results/bench/s1
   draftsmith bench --merge results/bench/s0.json results/bench/s1.json --out results/bench/all
-  draftsmith bench --merge ... --out results/bench/all --vllm-python /work/venvs/vllm/bin/python
+  draftsmith bench --merge ... --out results/bench/all --vllm-python ~/.cache/draftsmith/vllm-venv/bin/python
 
 docs/bench.md describes the outputs and how to read the plots."""
 

@@ -5,7 +5,7 @@ Launch::
     draftsmith evaluate --drafter ngram --k 5 --max-new-tokens 128 --out results.json
     python recipes/evaluate.py --drafter draft-lm --draft-layers 0 1 2 29 --k 4
     python recipes/evaluate.py --config recipes/configs/evaluate.yaml --report-to wandb
-    draftsmith evaluate --prompts ../shared/data/alpaca_2k.jsonl --split heldout \
+    draftsmith evaluate --prompts my_prompts.jsonl --split heldout \
         --drafter eagle=runs/eagle1_smollm2/drafter eagle=runs/eagle3_smollm2/drafter \
         eagle-tree=runs/eagle3_smollm2/drafter --out results/eagle.json
 
@@ -17,8 +17,8 @@ Several drafters in one run share one plain-decoding baseline, measured prompt b
 them. The ``--drafter`` kinds are those of ``heads/registry.py`` (built through it, named by the
 drafters themselves): adding a drafter changes nothing here.
 
-For each prompt the target first decodes alone (the baseline), then with the drafter, in the same
-process, so the speedup compares like with like. Greedy runs check that the speculative output is
+For each prompt the target decodes alone (the baseline) and with each drafter, in the same
+process, so the speedup compares like with like; which runs first alternates prompt by prompt. Greedy runs check that the speculative output is
 the target's own output token for token. Writes a results JSON (``--out``) with the command, the
 versions and every metric (see ``docs/metrics.md`` for definitions), prints a table, and logs to
 W&B with ``--report-to wandb`` (offline when no API key is configured).
@@ -29,10 +29,12 @@ from __future__ import annotations
 if __name__ == "__main__" and not __package__:  # run as a file: resolve the imports below (PEP 366)
     __package__ = "draftsmith.recipes"
 
+import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -229,6 +231,33 @@ class EvalConfig:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def drafter_training(path: str | None) -> dict[str, Any] | None:
+    """How the drafter at ``path`` was trained, from its run's ``training_metrics.json`` (in the
+    directory or the run directory above ``best/``/``drafter/``): the minutes and steps it
+    trained, its recipe and commit. None for a drafter without one (n-gram, an export)."""
+    if not path:
+        return None
+    here = Path(path).expanduser()
+    for run in (here, here.parent):
+        metrics = run / "training_metrics.json"
+        if not metrics.is_file():
+            continue
+        try:
+            data = json.loads(metrics.read_text())
+        except (OSError, ValueError):
+            return None
+        seconds = data.get("train_seconds")
+        return {
+            "run": str(run),
+            "recipe": data.get("recipe"),
+            "training_minutes": None if seconds is None else round(seconds / 60, 2),
+            "steps": data.get("steps"),
+            "stop_reason": data.get("stop_reason"),
+            "git_commit": data.get("git_commit"),
+        }
+    return None
+
+
 def build_options(cfg: EvalConfig, target) -> BuildOptions:
     """What the drafter builders (``heads/registry.py``) need: the run's settings, the drafter's
     dtype, our model loader (on the target's device), the CPU kernel-path patch and the device's
@@ -294,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     split = {"auto": None if cfg.prompts else "heldout", "all": None}.get(cfg.split, cfg.split)
     try:
         records = load_prompts(cfg.prompts, split=split, limit=cfg.limit)
+        places = {str(r.id): i for i, r in enumerate(records)}  # before a --shard takes its part
         if cfg.shard:
             index, count = _parse_shard(cfg.shard)
             records = records[index::count]
@@ -347,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in drafters
     ]
 
-    # --- loop: baseline then each drafter, prompt by prompt -----------------------------------
+    # --- loop: the baseline and each drafter, prompt by prompt --------------------------------
     # One short untimed run first: the first forwards of a process pay one-off allocation costs.
     def run(drafter, ids, **kwargs):
         # A reference drafter with its own loop (transformers' generate) runs that; others ours.
@@ -396,19 +426,30 @@ def main(argv: list[str] | None = None) -> int:
             # Same seed for every run of a prompt: sampled outputs are comparable run to run.
             # Interleaved per prompt, so a machine slowing down hurts every method alike. The
             # generator lives on the device whose tensors it samples (reproducible per device).
-            base = None
-            if cfg.baseline:
-                base = run(None, ids, generator=make_generator(device, cfg.seed))
-                base_runs.append(base)
-                if reference is not None:
-                    gen = make_generator(device, cfg.seed)
-                    ref_runs.append(generate(reference, ids, None, **common, generator=gen))
+            # Which runs first alternates prompt by prompt (by the prompt's place in the file,
+            # so a resumed or sharded run keeps the order): plain decoding first on even
+            # places, the drafters first on odd ones. A method that always ran second would
+            # inherit warm caches (or a machine's slow spell) the first one paid for.
+            base, specs = None, []
+            plain_first = places[str(record.id)] % 2 == 0
+            for phase in ("plain", "drafters") if plain_first else ("drafters", "plain"):
+                if phase == "plain" and cfg.baseline:
+                    base = run(None, ids, generator=make_generator(device, cfg.seed))
+                    base_runs.append(base)
+                    if reference is not None:
+                        gen = make_generator(device, cfg.seed)
+                        ref_runs.append(generate(reference, ids, None, **common, generator=gen))
+                elif phase == "drafters":
+                    for drafter, policy in zip(drafters, policies, strict=True):
+                        gen = make_generator(device, cfg.seed)
+                        specs.append(
+                            None
+                            if drafter is None
+                            else run(drafter, ids, generator=gen, draft_length=policy)
+                        )
             entries = []
-            for i, (drafter, policy) in enumerate(zip(drafters, policies, strict=True)):
-                spec = base
-                if drafter is not None:
-                    gen = make_generator(device, cfg.seed)
-                    spec = run(drafter, ids, generator=gen, draft_length=policy)
+            for i, spec in enumerate(specs):
+                spec = base if spec is None else spec  # drafter none: plain decoding itself
                 spec_runs[i].append(spec)
                 entry = prompt_entry(record, ids, spec, base, tokenizer)
                 if ref_runs:
@@ -470,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
             result["mean_draft_length"] = sum(chosen) / max(len(chosen), 1)
         result["dtype"] = cfg.dtype
         result["draft_dtype"] = cfg.dtype if cfg.draft_dtype == "same" else cfg.draft_dtype
+        training = drafter_training(registry.parse_spec(cfg.drafter[i])[1])
+        if training:
+            result["drafter_training"] = training
         result.update(summarize_entries(per_prompt, cfg.k, cfg.dtype, other if reference else None))
         # Sampled outputs are compared in distribution, not per sample.
         result.update(identity(per_prompt, compared=cfg.baseline and sampling.greedy))

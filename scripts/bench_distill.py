@@ -1,7 +1,7 @@
 """Self-distillation throughput: the in-process HF batched path vs a vLLM server, same prompts.
 
-Both paths answer the same prompts (default: the first 64 training prompts of
-``../shared/data/alpaca_2k.jsonl``, held-out ids never used) greedily with up to 128 new tokens:
+Both paths answer the same prompts (``--prompts``, default the shipped training prompts; the
+held-out ones are never used) greedily with up to 128 new tokens:
 
 * ``hf``: :func:`~draftsmith.train.datagen.self_distill.self_distill` with the target loaded
   here (``--dtype``, ``--batch-size``, torch threads as ``--threads``);
@@ -41,6 +41,7 @@ from transformers import GenerationConfig
 
 from draftsmith.heads.sampling import SamplingParams
 from draftsmith.train.config import as_list
+from draftsmith.train.data.prompts import DEFAULT_PROMPTS
 from draftsmith.train.data.records import load_records, select_split
 from draftsmith.train.datagen.endpoint import EndpointClient
 from draftsmith.train.datagen.endpoint_distill import endpoint_distill
@@ -73,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--prompts", default=str(REPO.parent / "shared" / "data" / "alpaca_2k.jsonl"))
+    ap.add_argument(
+        "--prompts",
+        default=str(DEFAULT_PROMPTS),
+        help="prompt file, its train split answered (default: the shipped chat_prompts.jsonl)",
+    )
     ap.add_argument("--limit", type=int, default=64, help="prompts (train split)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")

@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", help="EAGLE-1/3 drafter directory (a training run's best/)")
     ap.add_argument("--target", default=None, help="target (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--prompts", default="../shared/data/alpaca_2k.jsonl")
+    ap.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt file (default: the shipped held-out prompts, chat_prompts.jsonl)",
+    )
     ap.add_argument(
         "--split", default="heldout", help="split of the prompt file; all = every record"
     )

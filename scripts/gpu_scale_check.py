@@ -917,39 +917,6 @@ def run_stage(name: str, work: Path) -> int:
 # --- the whole check ---------------------------------------------------------------------------
 
 
-def git_facts(commit: str | None) -> dict[str, Any]:
-    """The commit checked, and whether the working tree differs from it (``dirty``: tracked
-    files changed; untracked files counted apart). ``--commit`` names it where the tree has no
-    ``.git`` (a device machine gets a copy of the working tree only)."""
-    if commit:
-        dirty = commit.endswith("-dirty")
-        return {
-            "git_commit": commit.removesuffix("-dirty"),
-            "git_dirty": dirty,
-            "git_source": "--commit",
-        }
-
-    def git(*args: str) -> str | None:
-        try:
-            proc = subprocess.run(
-                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=20
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return proc.stdout if proc.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    if head is None:
-        return {"git_commit": None, "git_dirty": None, "git_source": "no git repository here"}
-    status = (git("status", "--porcelain") or "").splitlines()
-    return {
-        "git_commit": head.strip(),
-        "git_dirty": any(not line.startswith("??") for line in status),
-        "git_untracked": sum(line.startswith("??") for line in status),
-        "git_source": "git",
-    }
-
-
 def stage_limit(name: str, s: dict[str, Any]) -> float:
     """The most seconds a stage may take (before the overall budget cuts it)."""
     if name == "facts":
@@ -1012,13 +979,18 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> int:
         s = stages[name]
         print(f"== {name}: {s['status']} in {s['seconds']:.0f}s {s.get('reason', '')}", flush=True)
     ok = all(s["status"] != "failed" for s in stages.values())
+    from draftsmith.train.runinfo import git_facts
+
+    git = git_facts(args.commit)
+    if args.commit:
+        git["git_source"] = "--commit"
     result: dict[str, Any] = {
         "check": "scripts/gpu_scale_check.sh",
         "ok": ok,
         "device": args.device,
         "quick": args.quick,
         "settings": {k: v for k, v in settings.items() if k != "run_timeout"},
-        **git_facts(args.commit),
+        **git,
         "command": "bash scripts/gpu_scale_check.sh " + shlex.join(argv),
         "wall_seconds": round(time.monotonic() - started, 1),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall_start)),

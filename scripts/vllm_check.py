@@ -35,10 +35,10 @@ plain run's. Both runs use ``--dtype`` (float32 by default, or bfloat16) with
 
 Usage (the venv's python; a speculators-format export needs only ``--draft``)::
 
-    /work/venvs/vllm/bin/python scripts/vllm_check.py --method ngram --k 3 \\
-        --prompts ../shared/data/alpaca_2k.jsonl --limit 4 --out /tmp/ngram.json
-    /work/venvs/vllm/bin/python scripts/vllm_check.py --method eagle3 --draft out/export \\
-        --k 3 --prompts ../shared/data/alpaca_2k.jsonl --split heldout --limit 20
+    ~/.cache/draftsmith/vllm-venv/bin/python scripts/vllm_check.py --method ngram --k 3 \\
+        --limit 4 --out /tmp/ngram.json
+    ~/.cache/draftsmith/vllm-venv/bin/python scripts/vllm_check.py --method eagle3 --draft out/export \\
+        --k 3 --prompts my_prompts.jsonl --split heldout --limit 20
 
 ``--dump-draft FILE`` (eagle, eagle3) also saves what vLLM actually loaded as the draft model
 (each linear layer applied to a fixed random input through vLLM's own kernels, the norms, ``d2t``,
@@ -70,7 +70,7 @@ DEFAULT_TARGET = "~/.cache/draftsmith/targets/smollm2-135m-instruct"
 DEFAULT_PROMPTS = (
     Path(__file__).resolve().parents[1] / "train" / "data" / "prompt_sets" / "chat_prompts.jsonl"
 )
-HELDOUT_MODULUS = 10  # shared/data convention: id % 10 == 9 is held out
+HELDOUT_MODULUS = 10  # Alpaca-style files' convention: id % 10 == 9 is held out
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("all", "heldout", "train"),
         default="all",
         help="keep records of this split: their 'split' field, else integer ids with "
-        "heldout = id %% 10 == 9 (shared/data convention), train = the rest",
+        "heldout = id %% 10 == 9 (Alpaca-style files), train = the rest",
     )
     ap.add_argument("--limit", type=int, default=4, help="number of prompts (0 = all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)

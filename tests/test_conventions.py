@@ -495,3 +495,29 @@ def test_wandb_offline_logs_read_back(offline_hub, tmp_path, monkeypatch, fresh_
     assert got["method"] == result["method"]
     assert got["tau"] == pytest.approx(result["acceptance_length"])
     assert got["tokens_per_second"] == pytest.approx(result["tokens_per_second"])
+
+
+# Paths of the development machine, outside any clone: a user has none of them.
+_OUTSIDE = ("../shared", "shared/data/", "shared/DESIGN", "shared/ANCHORS", "/work/")
+
+
+def test_nothing_the_project_ships_names_a_path_outside_the_repository():
+    """Defaults, help texts, docstrings and docs name only what a clone has (or makes): a file
+    beside the repository, or a directory of the machine it was developed on, fails a user.
+    ``bench/`` holds the dated records of past runs, each with the command that made it."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    suffixes = (".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".txt", ".cfg")
+    found = []
+    for name in tracked:
+        if name.startswith("bench/") or not name.endswith(suffixes):
+            continue
+        path = REPO / name
+        if path.resolve() == Path(__file__).resolve() or not path.is_file():
+            continue
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+            hit = next((w for w in _OUTSIDE if w in line), None)
+            if hit:
+                found.append(f"{name}:{n + 1}: {hit}")
+    assert not found, "\n".join(found)

@@ -22,6 +22,7 @@ import torch
 
 from draftsmith.train.device import (
     DeviceTimer,
+    IntervalTimer,
     device_facts,
     device_problem,
     make_generator,
@@ -117,11 +118,13 @@ def test_timer_synchronizes_a_gpu_before_each_read(monkeypatch):
 
 
 def test_generate_times_with_the_device_timer(target, monkeypatch):
-    """The loop's draft time and wall time come from the device timer of the target's device."""
+    """The loop reads the synchronizing device timer of the target's device at the prompt's
+    start and end only; each draft (start, propose, accept) is an interval of the target
+    device's IntervalTimer, read once (issue 51: four synchronizes a step tilted the race)."""
     from draftsmith.heads.ngram import NGramDrafter
     from draftsmith.train.decoding import speculative
 
-    made = []
+    made, intervals = [], []
 
     class CountingTimer(DeviceTimer):
         def __init__(self, device):
@@ -133,10 +136,30 @@ def test_generate_times_with_the_device_timer(target, monkeypatch):
             self.reads += 1
             return super().now()
 
+    class CountingIntervals(IntervalTimer):
+        def __init__(self, device):
+            super().__init__(device)
+            intervals.append(self)
+            self.starts = self.totals = 0
+
+        def start(self):
+            self.starts += 1
+            return super().start()
+
+        def total(self):
+            self.totals += 1
+            return super().total()
+
     monkeypatch.setattr(speculative, "DeviceTimer", CountingTimer)
+    monkeypatch.setattr(speculative, "IntervalTimer", CountingIntervals)
     out = speculative.generate(target, [1, 2, 3, 1, 2], NGramDrafter(), k=3, max_new_tokens=8)
     assert len(made) == 1 and made[0].device == target.device
-    assert made[0].reads >= 2 * out.target_forwards  # around each draft, and the wall time
+    assert made[0].reads == 2  # start and end: no synchronized read inside a step
+    drafting, prefill = intervals
+    steps = out.target_forwards - 1  # the prefill is the first forward
+    assert steps >= 2 and 1 + steps <= drafting.starts <= 1 + 2 * steps
+    assert prefill.starts == 1 and drafting.totals == prefill.totals == 1
+    assert 0 < out.draft_time < out.wall_time and 0 < out.prefill_time < out.wall_time
 
 
 def test_generators_live_on_the_device_they_feed():

@@ -1,6 +1,6 @@
 """``data distill --endpoint`` against a real ``vllm serve`` of the prepared SmolLM2 target.
 
-Deselected by default (``-m vllm`` runs it). Needs the vLLM venv (``/work/venvs/vllm``, or its
+Deselected by default (``-m vllm`` runs it). Needs the vLLM venv (``scripts/setup_vllm_venv.sh``, or its
 python in ``DRAFTSMITH_VLLM_PYTHON``) and the real target (``DRAFTSMITH_TARGET_DIR``, default
 the converted SmolLM2-135M-Instruct). The server holds ``/tmp/vllm.lock`` (``DRAFTSMITH_VLLM_LOCK``)
 while it runs, because this machine fits one vLLM engine at a time, and is killed when the test

@@ -353,8 +353,9 @@ def test_warmup_prompts_decode_untimed_before_the_timed_ones(
     args = ["--target", tiny_target_dir, "--drafter", "ngram", "--max-new-tokens", 10]
     code, res = _run(tmp_path, *args, "--limit", 2, *extra)
     assert code == 0 and res["prompts_evaluated"] == 2
-    # Prompt by prompt: plain, plain in the other dtype (the reference), then n-gram.
-    timed = [(True, 10), (True, 10), (False, 10)] * 2
+    # Prompt by prompt, the order alternating: the first prompt plain, plain in the other dtype
+    # (the reference), then n-gram; the second n-gram first.
+    timed = [(True, 10), (True, 10), (False, 10), (False, 10), (True, 10), (True, 10)]
     if warmup is None:
         assert calls == [(False, 8), (True, 8), *timed]
     else:  # full length, plain included
@@ -641,3 +642,25 @@ def test_sigterm_keeps_the_finished_prompts_and_exits_130(tiny_target_dir, tmp_p
     finished = [x for x in kept if json.loads(x).get("entries")]
     assert 1 <= len(finished) < 40
     assert not out.exists()
+
+
+def test_results_name_how_long_each_drafter_trained(tmp_path):
+    """A drafter evaluated from a training run's best/ (or drafter/) carries the run's training
+    minutes, steps and commit into the results; a drafter without a run carries none."""
+    from draftsmith.recipes.evaluate import drafter_training
+
+    run = tmp_path / "run"
+    (run / "best").mkdir(parents=True)
+    metrics = {"recipe": "eagle", "train_seconds": 745.8, "steps": 660, "git_commit": "d260927"}
+    (run / "training_metrics.json").write_text(json.dumps({**metrics, "stop_reason": "done"}))
+    got = drafter_training(str(run / "best"))
+    assert got == {
+        "run": str(run),
+        "recipe": "eagle",
+        "training_minutes": 12.43,
+        "steps": 660,
+        "stop_reason": "done",
+        "git_commit": "d260927",
+    }
+    assert drafter_training(str(run)) == got
+    assert drafter_training(str(tmp_path / "export")) is None and drafter_training(None) is None

@@ -163,7 +163,11 @@ def test_greedy_ids_upcasts_half_logits_on_a_cpu_and_keeps_the_index(monkeypatch
 
 
 needs_packing = pytest.mark.skipif(
-    not packing_supported(), reason="bf16 weights are packed only on CPUs with native bf16 math"
+    not packing_supported(),
+    reason="this CPU has no native bf16 math (AVX512-BF16/AMX), where bf16 weights are never "
+    "packed: NOT covered here is the oneDNN packed linear that plain and speculative bf16 "
+    "decoding use on such CPUs (its logits, repacking after a weight change, copies, autograd "
+    "falling back to torch); run these tests on an AVX512-BF16 or AMX CPU",
 )
 
 

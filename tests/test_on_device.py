@@ -19,7 +19,7 @@ from draftsmith.heads.eagle_proposer import EagleProposer
 from draftsmith.heads.ngram import NGramDrafter
 from draftsmith.heads.sampling import SamplingParams
 from draftsmith.train.decoding.speculative import generate
-from draftsmith.train.device import DeviceTimer, make_generator
+from draftsmith.train.device import DeviceTimer, IntervalTimer, make_generator
 from draftsmith.train.objectives.eagle_ttt import eagle3_ttt_loss
 
 
@@ -121,12 +121,22 @@ def test_eagle3_training_step_on_device(tgt, device):
 
 
 def test_timer_measures_device_work(device):
+    """The loop's interval timer (device events, one synchronize) reads what a synchronized wall
+    clock reads around the same work, and an interval without work reads about nothing."""
     timer = DeviceTimer(device)
-    x = torch.randn(256, 256, device=device)
+    x = torch.randn(512, 512, device=device)
+    x = x @ x  # warm: the first matmul pays one-off costs
+    intervals = IntervalTimer(device)
     t0 = timer.now()
-    for _ in range(5):
-        x = x @ x / 256
-    assert timer.now() - t0 >= 0
+    mark = intervals.start()
+    for _ in range(20):
+        x = x @ x / 512
+    intervals.stop(mark)
+    wall = timer.now() - t0
+    idle = intervals.start()
+    intervals.stop(idle)
+    measured = intervals.total()
+    assert wall > 0 and 0.5 * wall <= measured <= 1.2 * wall + 1e-3, (measured, wall)
 
 
 def test_evaluate_runs_on_the_device(tiny_target_dir, tmp_path, device):

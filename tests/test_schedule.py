@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import tiny_model_dir
 
+from draftsmith.train.datagen.vllm_server import default_vllm_python
 from draftsmith.train.report.schedule import (
     SCHEDULE_KEY,
     Schedule,
@@ -131,7 +131,7 @@ def test_validate_schedule_sorts_and_allows_gaps_as_vllm_does():
 def _vllm_validator():
     """vLLM's own validate_and_normalize_dynamic_sd_schedule (a dependency-free file of the vLLM
     venv's package), or None without a vLLM venv."""
-    python = Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", "/work/venvs/vllm/bin/python"))
+    python = default_vllm_python()
     if not python.exists():
         return None
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"

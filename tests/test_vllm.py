@@ -2,7 +2,7 @@
 
 Deselected by default (``-m vllm`` runs them). Needs:
 
-* the vLLM venv (``/work/venvs/vllm``, or its python in ``DRAFTSMITH_VLLM_PYTHON``), set up as
+* the vLLM venv (``scripts/setup_vllm_venv.sh``, found in the draftsmith cache, or its python in ``DRAFTSMITH_VLLM_PYTHON``), set up as
   described in ``docs/serving.md``;
 * the real target (``DRAFTSMITH_TARGET_DIR``, default the converted SmolLM2-135M-Instruct).
 
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.train.datagen.vllm_server import default_vllm_python
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", "/work/venvs/vllm/bin/python"))
+VLLM_PYTHON = default_vllm_python()
 TARGET = Path(
     os.path.expanduser(
         os.environ.get("DRAFTSMITH_TARGET_DIR", "~/.cache/draftsmith/targets/smollm2-135m-instruct")

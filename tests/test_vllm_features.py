@@ -7,7 +7,7 @@ HF forward in this venv (so its numbers can be compared with the HF backend's), 
 synthetic features (no transformers import: a faster child).
 
 ``@pytest.mark.vllm`` (deselected by default): the real extractor in the vLLM venv
-(``DRAFTSMITH_VLLM_PYTHON``, default ``/work/venvs/vllm/bin/python``) on the real target
+(``DRAFTSMITH_VLLM_PYTHON``, default ``scripts/setup_vllm_venv.sh``'s venv in the draftsmith cache) on the real target
 (SmolLM2-135M-Instruct), compared with the HF backend. It takes ``/tmp/vllm.lock`` (one vLLM
 process per machine) and ~2-3 minutes on 2 CPU cores.
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.train.datagen.vllm_server import default_vllm_python
 from draftsmith.train.features import vllm_backend
 from draftsmith.train.features.cache_command import main_cache
 from draftsmith.train.features.cache_read import HiddenStateCache
@@ -263,7 +264,7 @@ def test_vllm_backend_usage_errors(setup, tmp_path, capsys, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # The real thing (vLLM venv, SmolLM2-135M-Instruct)
 
-VLLM_PYTHON = Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", "/work/venvs/vllm/bin/python"))
+VLLM_PYTHON = default_vllm_python()
 REAL_TARGET = Path(
     os.path.expanduser(
         os.environ.get("DRAFTSMITH_TARGET_DIR", "~/.cache/draftsmith/targets/smollm2-135m-instruct")

@@ -49,19 +49,7 @@ def run_info(device: Any = None) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[name] = None
     versions["python"] = platform.python_version()
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=5,
-                cwd=Path(__file__).parent,
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    git = git_facts(short=True)
     import torch
 
     from .device import cpu_facts, device_facts
@@ -69,7 +57,8 @@ def run_info(device: Any = None) -> dict[str, Any]:
     return {
         "command": " ".join(shlex.quote(a) for a in sys.argv),
         "versions": versions,
-        "git_commit": commit,
+        "git_commit": git["git_commit"],
+        "git_dirty": git["git_dirty"],
         "machine": {
             "platform": platform.platform(),
             "processor": platform.machine(),
@@ -78,9 +67,71 @@ def run_info(device: Any = None) -> dict[str, Any]:
             "cuda_available": torch.cuda.is_available(),
             **cpu_facts(),
             **(device_facts(device) if device is not None else {}),
+            # The machine's load averages (1, 5, 15 min) when the file is written: over a run of
+            # minutes, what else shared the cores (a 2-core timing with a load near 3 is not one).
+            "load_average": _load_average(),
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+#: Where a working tree without ``.git`` (a copy shipped to a GPU machine) gets its commit:
+#: ``<commit>`` or ``<commit>-dirty`` (what ``git describe --always --dirty`` prints).
+COMMIT_ENV = "DRAFTSMITH_GIT_COMMIT"
+
+
+def git_facts(commit: str | None = None, *, short: bool = False) -> dict[str, Any]:
+    """The commit this checkout runs, and whether its tracked files differ from it.
+
+    Args:
+        commit: the commit as the person who shipped the tree names it (``<sha>`` or
+            ``<sha>-dirty``), for a copy without ``.git``; default ``$DRAFTSMITH_GIT_COMMIT``.
+            Given, it wins over git.
+        short: the abbreviated hash (results files) rather than the full one.
+
+    Returns:
+        ``git_commit`` (None when neither names one), ``git_dirty`` (tracked files changed;
+        None when unknown), ``git_source`` (``"git"``, ``"given"`` or why there is none) and,
+        from git, ``git_untracked`` (untracked files, counted apart).
+    """
+    commit = commit or os.environ.get(COMMIT_ENV) or None
+    if commit:
+        return {
+            "git_commit": commit.removesuffix("-dirty"),
+            "git_dirty": commit.endswith("-dirty"),
+            "git_source": "given",
+        }
+
+    def git(*args: str) -> str | None:
+        try:
+            proc = subprocess.run(
+                ["git", *args],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                cwd=Path(__file__).parent,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return proc.stdout if proc.returncode == 0 else None
+
+    head = git("rev-parse", *(["--short"] if short else []), "HEAD")
+    if head is None:
+        return {"git_commit": None, "git_dirty": None, "git_source": "no git repository here"}
+    status = (git("status", "--porcelain") or "").splitlines()
+    return {
+        "git_commit": head.strip(),
+        "git_dirty": any(not line.startswith("??") for line in status),
+        "git_untracked": sum(line.startswith("??") for line in status),
+        "git_source": "git",
+    }
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):  # not on every platform
+        return None
 
 
 def finite_json(data: Any) -> Any:

@@ -91,9 +91,9 @@ def load_prompts(
 
     Split rule: a record's ``split`` field, when present, must equal ``split``. A record without
     a ``split`` field but with an integer ``id`` is held-out when ``id % 10 == 9`` and train
-    otherwise, so ``split="heldout"`` / ``split="train"`` work on the Alpaca development file
-    ``shared/data/alpaca_2k.jsonl`` (200 held-out, 1,800 train records). Any other record is an
-    error when a split is requested.
+    otherwise, so ``split="heldout"`` / ``split="train"`` work on an Alpaca-style file with
+    integer ids (2,000 records: 200 held-out, 1,800 train). Any other record is an error when a
+    split is requested.
 
     Args:
         path: The prompt file; ``None`` for the project's own set, :data:`DEFAULT_PROMPTS`.

@@ -260,7 +260,7 @@ def select_split(conversations: Sequence[Conversation], split: str) -> list[Conv
     """The conversations of one split.
 
     A record's ``split`` field decides when present; otherwise an integer ``id`` is held-out
-    when ``id % 10 == 9`` and train otherwise (the rule of ``shared/data/README.md``).
+    when ``id % 10 == 9`` and train otherwise (the usual rule of Alpaca-style development files).
 
     Args:
         conversations: Loaded conversations.

@@ -1,6 +1,6 @@
 """Training data: tokenize conversations into a masked dataset, and ``draftsmith data tokenize``.
 
-The one path data takes (see ``shared/DESIGN.md``)::
+The one path data takes (see ``docs/design.md``)::
 
     files / records  --load_records-->  [Conversation]  --build_dataset-->  datasets.Dataset
                                                                             (input_ids, loss_mask, id)

@@ -2,7 +2,7 @@
 
 Launch::
 
-    draftsmith data distill --input ../shared/data/alpaca_2k.jsonl --output data/alpaca_sd.jsonl
+    draftsmith data distill --input my_prompts.jsonl --output data/my_sd.jsonl
     python -m draftsmith.train.datagen.distill_command --output out.jsonl --temperature 0.7 --seed 1
     draftsmith data distill --endpoint http://127.0.0.1:8000 --concurrency 16 --output sd.jsonl
     # two more answers per prompt, sampled, 2,767 in all (the quickstart's sampled answers)

@@ -4,7 +4,7 @@ Launch::
 
     draftsmith data prompts --output prompts.jsonl --num 2000 --include-shipped
     python -m draftsmith.train.datagen.prompts_command --output p.jsonl --num 500 --input mine.jsonl \\
-        --exclude ../shared/data/alpaca_2k.jsonl
+        --exclude my_heldout.jsonl
 
 The sources (``--include-shipped``, ``--input``, ``--exclude``; the shipped held-out prompts are
 always excluded) are read before the target is loaded, so a typo fails in a second; the run

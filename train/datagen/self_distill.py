@@ -30,7 +30,7 @@ stored in ``<output>.meta`` and checked on resume (``overwrite=True`` starts aga
 
 Held-out prompts are never distilled by default: :func:`resolve_split` with ``"auto"`` keeps the
 ``train`` split when the records carry split information (a ``split`` field, or integer ids with
-``id % 10 == 9`` held-out, as in ``shared/data/alpaca_2k.jsonl``), and every record otherwise.
+``id % 10 == 9`` held-out, as in Alpaca-style files), and every record otherwise.
 The command, ``draftsmith data distill``, is :mod:`~draftsmith.train.datagen.distill_command`;
 the same job against an OpenAI-compatible server (``--endpoint``) is
 :mod:`~draftsmith.train.datagen.endpoint_distill`, which shares this module's records, resume

@@ -2,7 +2,8 @@
 
 vLLM lives in its own virtual environment (its pins conflict with ours; see
 ``scripts/setup_vllm_venv.sh``), so the server is a subprocess of that venv's python
-(``$DRAFTSMITH_VLLM_PYTHON``, default ``/work/venvs/vllm/bin/python``). :func:`local_vllm_server`
+(``$DRAFTSMITH_VLLM_PYTHON``, default the venv the script makes in the draftsmith cache,
+``~/.cache/draftsmith/vllm-venv/bin/python``). :func:`local_vllm_server`
 picks a free port on 127.0.0.1, starts vLLM's OpenAI-compatible server (what ``vllm serve``
 runs: ``python -m vllm.entrypoints.openai.api_server``) in its own process group, waits until
 ``GET /v1/models`` answers, yields the URL, and on exit -- normal, exception or Ctrl-C -- kills
@@ -34,8 +35,13 @@ __all__ = ["default_vllm_python", "free_port", "local_vllm_server"]
 
 
 def default_vllm_python() -> Path:
-    """The vLLM venv's python: ``$DRAFTSMITH_VLLM_PYTHON`` or ``/work/venvs/vllm/bin/python``."""
-    return Path(os.environ.get("DRAFTSMITH_VLLM_PYTHON", "/work/venvs/vllm/bin/python"))
+    """The vLLM venv's python: ``$DRAFTSMITH_VLLM_PYTHON``, else the one
+    ``scripts/setup_vllm_venv.sh`` makes by default, ``vllm-venv/bin/python`` in the draftsmith
+    cache (``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith``)."""
+    from ..target_model.load import default_cache_dir
+
+    env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+    return Path(env) if env else default_cache_dir() / "vllm-venv" / "bin" / "python"
 
 
 def free_port() -> int:

@@ -49,7 +49,7 @@ from ...heads.sampling import (
     logits_to_probs,
     sample,
 )
-from ..device import DeviceTimer
+from ..device import DeviceTimer, IntervalTimer
 from ..target_model.kernels import grouped_kv_attention
 from .draft_length import AdaptiveDraftLength
 
@@ -422,14 +422,20 @@ def generate(
     eos = eos_set(eos_token_id)
     layers = tuple(drafter.feature_layers) if drafter is not None else ()
     want_hidden = bool(layers)
-    # Reads the clock after the device has finished (a GPU runs ahead of the host).
+    # The wall clock is read (after the device has finished: a GPU runs ahead of the host) at
+    # the prompt's start and end only; the draft and prefill intervals are device events summed
+    # once at the end (IntervalTimer): no synchronize inside a step that plain decoding, timed
+    # by the same function, would not pay. An adaptive draft length needs each step's times on
+    # the host as it goes, so with one those reads synchronize (the policy's own cost).
     clock = DeviceTimer(device).now
+    drafting = IntervalTimer(device)
+    prefill = IntervalTimer(device)
 
     # Batch-1 decoding on a CPU: SDPA reads the grouped K/V heads directly (no repeat_kv copy
     # of the cache before each verify forward; train/target_model/kernels.py).
     with grouped_kv_attention(device):
         t_start = clock()
-        draft_time = 0.0
+        prefill_mark = prefill.start()
         result = GenerationOutput(tokens=[], accepted_per_position=[0] * k)
 
         # Prefill: the prompt's logits at its last position give the first token, exactly as plain
@@ -446,10 +452,10 @@ def generate(
         first, _ = choose(out.logits[0, -1], sampling, generator)
         emitted = [int(first)]  # sync: the first token decides whether generation goes on
         if drafter is not None:
-            t0 = clock()
+            mark = drafting.start()
             drafter.start(prompt, _features(out, layers, slice(None)))
-            draft_time += clock() - t0
-        result.prefill_time = clock() - t_start
+            drafting.stop(mark)
+        prefill.stop(prefill_mark)
 
         # ids holds prompt + emitted tokens in a preallocated buffer (no re-allocation per step).
         buf = torch.empty(1, prompt.shape[1] + max_new_tokens, dtype=torch.long, device=device)
@@ -484,10 +490,13 @@ def generate(
                 k_step = draft_length.choose(k_step)
             step_draft_time = 0.0
             if drafter is not None and k_step > 0:
-                t0 = clock()
+                if draft_length is not None:  # the policy reads this step's time (a sync)
+                    t0 = clock()
+                mark = drafting.start()
                 proposal = drafter.propose(ids, k_step, sampling, generator)
-                step_draft_time = clock() - t0
-                draft_time += step_draft_time
+                drafting.stop(mark)
+                if draft_length is not None:
+                    step_draft_time = clock() - t0
                 if proposal.parents is None and len(proposal) > k_step:
                     proposal = Proposal(  # a chain drafter that ignored k: keep what fits
                         proposal.tokens[:k_step],
@@ -562,10 +571,11 @@ def generate(
                 for i in range(min(accepted, k)):
                     result.accepted_per_position[i] += 1
             if drafter is not None:
-                t0 = clock()
+                mark = drafting.start()
                 drafter.accept(accepted, _features(out, layers, kept))
-                draft_time += clock() - t0
+                drafting.stop(mark)
 
         result.wall_time = clock() - t_start
-        result.draft_time = draft_time
+        result.draft_time = drafting.total()  # synchronized once, by the read above
+        result.prefill_time = prefill.total()
         return result

@@ -39,7 +39,7 @@ the file descriptor ``--reply-fd`` (stdout and stderr are left to vLLM's logs):
 
 Usage (normally only the cache build runs it)::
 
-    /work/venvs/vllm/bin/python train/features/vllm_extract.py --target DIR --layers 2 15 27 30
+    ~/.cache/draftsmith/vllm-venv/bin/python train/features/vllm_extract.py --target DIR --layers 2 15 27 30
 """
 
 from __future__ import annotations
