@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 MARK = re.compile(r"<!--\s*fig\s+(?P<ref>\S+)(?P<opts>(?:\s+\w+)*)\s*-->")
 ALIAS = re.compile(r"<!--\s*figfile\s+(?P<name>\w+)\s*=\s*(?P<path>\S+)\s*-->")
 NUMBER = re.compile(r"[-−]?\d[\d,]*(?:\.\d+)?")
+CODE = re.compile(r"`[^`]*`")
 STEP = re.compile(r"\.?([^.\[\]]+)|\[([^\]]+)\]")
 
 
@@ -56,6 +57,8 @@ def figures(text: str, doc: str) -> tuple[list[Figure], list[str]]:
     found: list[Figure] = []
     problems: list[str] = []
     for n, line in enumerate(text.splitlines(), start=1):
+        # A marker shown as an example in inline code is not one.
+        line = CODE.sub(lambda m: " " * len(m.group()), line)
         for m in ALIAS.finditer(line):
             aliases[m["name"]] = m["path"]
         for m in MARK.finditer(line):

@@ -59,3 +59,5 @@ def test_paths_select_by_key_index_and_match():
     found, problems = check_figures.figures(text, "d.md")
     assert not problems and [(f.shown, f.file) for f in found] == [("1.30", "r.json")]
     assert re.fullmatch(r"\d[\d,]*", check_figures.NUMBER.findall("1,234 steps")[0])
+    example = "write `τ 1.40<!-- fig N:a.b -->` after a figure"  # inline code: an example
+    assert check_figures.figures(example, "d.md") == ([], [])

@@ -175,5 +175,14 @@ def test_two_processes_fit_the_same_schedule(tmp_path, tiny_target_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "schedule fitted to max_minutes" in proc.stdout
     metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
-    assert metrics["processes"] == 2 and metrics["stop_reason"] == "done"
-    assert metrics["steps"] == metrics["total_steps"] < 500 * 3  # 2 ranks: 3 steps an epoch
+    steps, total = metrics["steps"], metrics["total_steps"]
+    assert metrics["processes"] == 2 and total < 500 * 3, metrics  # 2 ranks: 3 steps an epoch
+    # Both ranks stop together at rank 0's total (a rank with another total would leave the
+    # loop alone and hang the other). Whether the fitted cosine ends inside this 24-second
+    # budget depends on the machine staying as fast as when it was timed: 2 processes on 2
+    # cores beside another test worker can slow down after the last fit (CI saw it stop at
+    # max_minutes once in ~10 runs). Then it must have come close to the fitted end.
+    if metrics["stop_reason"] == "done":
+        assert steps == total
+    else:
+        assert metrics["stop_reason"] == "max_minutes" and steps >= 0.7 * total, metrics
