@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -124,10 +125,33 @@ def test_fit_schedule_needs_a_budget_and_no_max_steps():
     assert "fit_schedule" not in dict(TrainConfig(fit_schedule=True, max_minutes=5).validate())
 
 
-def test_fitted_run_ends_its_cosine_with_the_budget(tmp_path, tiny_target_dir, capsys):
+class SteadyClock:
+    """``time`` for the training core with a machine of constant speed: each monotonic read
+    moves 0.02 s on. What the fit does is then the fit's logic alone, not how busy the machine
+    running the test suite was (a fresh-clone CI run of the wall-clock version stopped at
+    ``max_minutes`` while another test worker took a core after the last fit)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.reads = 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        self.now += 0.02
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
+def test_fitted_run_ends_its_cosine_with_the_budget(tmp_path, tiny_target_dir, capsys, monkeypatch):
     """Far more epochs than the budget allows: unfitted, max_minutes would cut the cosine near
     its peak; fitted, the run plans fewer steps, finishes them (stop reason "done") inside the
     budget and its learning rate has decayed to ~0 at the end."""
+    from draftsmith.train.core import run as run_module
+
+    clock = SteadyClock()
+    monkeypatch.setattr(run_module, "time", clock)
     args = base_args(
         tmp_path, tiny_target_dir, 3, eval_every=25, log_every=1, save_every=0, val_samples=2
     )
@@ -141,6 +165,7 @@ def test_fitted_run_ends_its_cosine_with_the_budget(tmp_path, tiny_target_dir, c
     assert metrics["stop_reason"] == "done"
     assert metrics["steps"] == metrics["total_steps"] < planned
     assert metrics["train_seconds"] <= 0.3 * 60 + 1
+    assert clock.reads > 2 * metrics["steps"]  # the run's time was the steady clock's
     assert metrics["train_log"][-1]["train/lr"] < 0.02 * 3e-3
 
 
