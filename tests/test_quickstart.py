@@ -958,6 +958,14 @@ def test_more_prompts_extend_the_data_and_retrain(job):
     assert metrics["resumed_from"] is None and metrics["steps"] == 4  # trained anew
 
 
+def _job_elsewhere(job, out: Path) -> tuple[Path, list, int, str]:
+    """The module job's command with its output in ``out``, run: ``(out, argv, code, printed)``."""
+    argv = [*job.argv]
+    argv[argv.index("--out-dir") + 1] = out
+    code, printed = run_job(argv)
+    return out, argv, code, printed
+
+
 def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monkeypatch, job):
     """When the plan grows after the data stages (faked here: the tiny job's sizes are asked
     for), the prompts and answers are extended, not redone, and every later stage runs once."""
@@ -969,10 +977,7 @@ def test_grown_data_extends_the_data_stages_before_the_rest_runs(tmp_path, monke
         return dataclasses.replace(plan, magpie=magpie, records=plan.seeds + magpie)
 
     monkeypatch.setattr(quickstart, "grow_plan", grow)
-    out = tmp_path / "out"
-    argv = [*job.argv]
-    argv[argv.index("--out-dir") + 1] = out
-    code, printed = run_job(argv)
+    out, argv, code, printed = _job_elsewhere(job, tmp_path / "out")
     assert code == 0, printed
     assert "came out" in printed and "more (" in printed
     assert "data: 16 records made; grown from the plan's 14" in printed
@@ -1003,10 +1008,7 @@ def test_slow_prompts_shrink_the_answers_and_a_rerun_keeps_them(tmp_path, monkey
         return kw["available"] - 2, 0.5
 
     monkeypatch.setattr(quickstart, "shrink_records", shrink)
-    out = tmp_path / "out"
-    argv = [*job.argv]
-    argv[argv.index("--out-dir") + 1] = out
-    code, printed = run_job(argv)
+    out, argv, code, printed = _job_elsewhere(job, tmp_path / "out")
     assert code == 0, printed
     st = state(out)
     assert "--max-minutes " in printed.split("[2/10]")[1].split("[3/10]")[0]
