@@ -70,12 +70,20 @@ class Proposal:
             then also counts what each smaller tree of the best m nodes would have accepted
             (``GenerationOutput.accepted_by_tree_size``), from which the bench predicts the best
             tree size. None: no such order (a static tree).
+        confidence: ``[n]`` float, optional: the drafter's own probability of each node given
+            its path (its parent accepted), on its processed distribution: for a node chosen by
+            argmax or top-k, the probability of that token; for a node *sampled* from ``probs``,
+            the row's largest probability, which is known before the draw (a choice of what to
+            verify that read the drawn token's own q would bias the output: docs/design.md,
+            "What to verify, per step"). The per-step decision (:mod:`.auto`) maps it to an
+            acceptance probability through a calibration. None: the drafter gives none.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     parents: torch.Tensor | None = None
     priority: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -213,6 +221,8 @@ class BuildOptions:
         clock: seconds for timing the drafter's own work; on a GPU it must synchronize the
             device before reading (evaluate injects ``DeviceTimer(device).now``); default:
             ``time.perf_counter``.
+        verify_costs: ``auto:KIND`` kinds: the target's verify costs on this device
+            (:class:`~draftsmith.heads.auto.VerifyCosts`; evaluate probes them).
     """
 
     target: Any
@@ -227,6 +237,7 @@ class BuildOptions:
     load_model: Callable[[str, torch.dtype], Any] | None = None
     fast_linears: Callable[..., object] = _leave_as_is
     clock: Callable[[], float] = time.perf_counter
+    verify_costs: Any = None
 
     @property
     def draft_dtype(self) -> torch.dtype:

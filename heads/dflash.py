@@ -63,7 +63,7 @@ from .base import BuildOptions, DrafterKind, Features, Proposal, unwrap_model
 from .eagle_config import _rope_from_target, config_from_fields
 from .eagle_model import _MLP, RMSNorm, SharedTarget, _Rotary, _rotate_half
 from .families import eagle3_layers
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, choose, confidence
 from .vocab_maps import check_vocab_maps, spread_logits
 
 __all__ = [
@@ -821,7 +821,7 @@ class DFlashProposer:
         logits = d.target_logits(d.logits(hidden[1 : 1 + n]).float())  # [n, V]
         self.last_logits = logits
         tokens, probs = choose(logits, sampling, generator)
-        return Proposal(tokens=tokens, probs=probs)
+        return Proposal(tokens=tokens, probs=probs, confidence=confidence(logits, probs))
 
 
 def build_proposer(path: str | None, options: BuildOptions) -> DFlashProposer:

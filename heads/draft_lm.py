@@ -31,7 +31,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .base import BuildOptions, DrafterKind, Features, Proposal
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, choose, confidence
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
@@ -257,11 +257,12 @@ class DraftLM(nn.Module):
         if cached > self._valid:
             self._cache.crop(self._valid - cached)  # drop rejected draft tokens
         feed = ids[:, self._valid :]
-        tokens, probs = [], []
+        tokens, probs, conf = [], [], []
         for i in range(k):
-            tok, q = self._draw(feed, sampling, generator)
+            tok, q, c = self._draw(feed, sampling, generator)
             tokens.append(tok)
             probs.append(q)
+            conf.append(c)
             if i + 1 < k:
                 feed = tok.view(1, 1)
         self._context = ids.shape[1]
@@ -271,21 +272,25 @@ class DraftLM(nn.Module):
         return Proposal(
             tokens=torch.stack(tokens),
             probs=None if sampling.greedy else torch.stack(probs),
+            confidence=torch.stack(conf),
         )
 
     def _draw(
         self, feed: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed ``feed [1, n]`` and draw the next token: ``(token, q [V] or None)``."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Feed ``feed [1, n]`` and draw the next token: ``(token, q [V] or None, confidence)``."""
         if self._rows is None:
             out = self.model(input_ids=feed, cache=self._cache, use_cache=True, logits_to_keep=1)
-            return choose(out.logits[0, -1], sampling, generator)
+            logits = out.logits[0, -1]
+            tok, q = choose(logits, sampling, generator)
+            return tok, q, confidence(logits, q)
         hidden = self.model.get_decoder()(input_ids=feed, cache=self._cache, use_cache=True)
         logits = F.linear(hidden.last_hidden_state[0, -1], self._rows)  # [N]
         tok, q = choose(logits, sampling, generator)
+        conf = confidence(logits, q)
         if q is not None:  # q over the target vocabulary: zero outside the draft vocabulary
             q = q.new_zeros(self.vocab_size).index_copy_(0, self.vocab_ids, q)
-        return self.vocab_ids[tok], q
+        return self.vocab_ids[tok], q, conf
 
     def accept(self, num_accepted: int, features: Features | None) -> None:
         """Keep the accepted draft tokens' cache entries; the rest is cropped at the next step.

@@ -11,7 +11,7 @@ import torch
 
 from .base import Features, Proposal, unwrap_model
 from .eagle_model import EagleCache, EagleDrafter
-from .sampling import SamplingParams, choose, logits_to_probs
+from .sampling import SamplingParams, choose, confidence, logits_to_probs
 
 __all__ = ["EagleProposer"]
 
@@ -156,7 +156,11 @@ class EagleProposer:
         hidden = self._catch_up(ids, placeholders=max(k - 1, 0))  # [1, k, H]
         logits = d.target_logits(d.logits(hidden)[0].float())  # [k, V]
         tokens, probs = choose(logits, sampling, generator)
-        return Proposal(tokens=tokens, probs=None if sampling.greedy else probs)
+        return Proposal(
+            tokens=tokens,
+            probs=None if sampling.greedy else probs,
+            confidence=confidence(logits, probs),
+        )
 
     def _propose_chain(
         self,
@@ -167,12 +171,13 @@ class EagleProposer:
     ) -> Proposal:
         d = self.drafter
         pos = self._real - 1  # position of the output `hidden` came from (L-2)
-        tokens, probs = [], []
+        tokens, probs, conf = [], [], []
         for i in range(k):
             logits = d.target_logits(d.logits(hidden)[0, -1].float())  # [V]
             tok, q = choose(logits, sampling, generator)
             tokens.append(tok)
             probs.append(q)
+            conf.append(confidence(logits, q))
             if i + 1 < k:
                 # Next input: (own predicted feature, embedding of the token just drafted).
                 step_pos = torch.tensor([[pos + 1 + i]], device=d.device)
@@ -180,6 +185,7 @@ class EagleProposer:
         return Proposal(
             tokens=torch.stack(tokens),
             probs=None if sampling.greedy else torch.stack(probs),
+            confidence=torch.stack(conf),
         )
 
     def _propose_tree(self, hidden: torch.Tensor, depth: int, sampling: SamplingParams) -> Proposal:
@@ -204,6 +210,7 @@ class EagleProposer:
         tok_list: list[int] = []
         parent_list: list[int] = []
         score_list: list[float] = []
+        cond_list: list[float] = []  # each node's own log-prob given its parent
 
         def children(
             h: torch.Tensor, parents: list[int], base: list[float]
@@ -230,6 +237,7 @@ class EagleProposer:
                     tok_list.append(tids[r][c])
                     parent_list.append(parent)
                     score_list.append(base[r] + vals[r][c])
+                    cond_list.append(vals[r][c])
             return new
 
         layer = [n for n, _ in children(hidden, [-1], [0.0])]
@@ -277,4 +285,6 @@ class EagleProposer:
             # total_tokens = m (the loop counts what each would accept). A host tensor: the
             # loop reads it on the host with the tree's parents.
             priority=torch.tensor([rank[n] for n in keep], dtype=torch.long),
+            # Each node's probability given its parent, a host tensor (read with the parents).
+            confidence=torch.tensor([cond_list[n] for n in keep]).exp(),
         )

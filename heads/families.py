@@ -361,6 +361,21 @@ def kinds() -> dict[str, Kind]:
     return out
 
 
+#: The prefix of a ``--drafter`` spec whose steps are chosen per step (``heads/auto.py``):
+#: ``auto:KIND[=DIR]`` wraps a trained kind with the lookups.
+AUTO_PREFIX = "auto:"
+
+
+def auto_kinds() -> list[str]:
+    """The kinds ``auto:KIND`` can wrap: trained drafters that propose to our loop (their
+    proposals carry confidences)."""
+    return [
+        name
+        for name, kind in kinds().items()
+        if kind.loop == "ours" and any(f.recipe for f in families_of_kind(name))
+    ]
+
+
 def families_of_kind(kind: str) -> list[Family]:
     """The families that declare ``kind`` (several when a checkpoint tells them apart)."""
     return [f for f in FAMILIES.values() if any(k.name == kind for k in f.kinds)]
@@ -414,6 +429,12 @@ def vllm_serving(spec_kind: str, path: str | None) -> tuple[str | None, str] | s
     A trained family is served from its vLLM export (written from ``path``), a lookup family by
     its method alone.
     """
+    if spec_kind.startswith(AUTO_PREFIX):
+        return (
+            "the per-step decision (auto) runs in draftsmith's loop only: no engine chooses what "
+            "to verify per step from calibrated confidences; its export's card says which parts "
+            "vLLM serves (the chain; the lookup alone as its ngram method)"
+        )
     kind = kinds().get(spec_kind)
     if kind is None:
         return f"unknown kind {spec_kind!r}"

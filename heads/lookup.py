@@ -72,6 +72,14 @@ class LookupDrafter:
 
     def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
         """Up to k tokens (``[n]``, ``seq``'s dtype and device) to follow ``seq`` (``[T]``)."""
+        return self.match(seq, k)[0]
+
+    def match(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+        """:meth:`lookup`'s tokens and the length of the match they continue (0: none).
+
+        The match length is the per-step decision's evidence (:mod:`.auto`): a continuation of
+        a longer match is accepted more often (its calibration keeps one rate per length).
+        """
         raise NotImplementedError
 
     def accept(self, num_accepted: int, features: Features | None) -> None:

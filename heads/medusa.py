@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from .base import BuildOptions, DrafterKind, Features, Proposal
-from .sampling import SamplingParams, choose, greedy_ids
+from .sampling import SamplingParams, choose, confidence, greedy_ids
 from .vocab_maps import check_vocab_maps, spread_logits, vocab_target_ids
 
 __all__ = [
@@ -593,7 +593,7 @@ class MedusaProposer:
         device = ids.device
         heads = self.heads
         if self.choices is None:
-            tokens, probs = [], []
+            tokens, probs, conf = [], [], []
             for d in range(depth):
                 logits = heads.head_logits(d, self._hidden)  # [N], the draft vocabulary
                 if sampling.greedy:  # argmax over the draft vocabulary, as a target id
@@ -602,22 +602,30 @@ class MedusaProposer:
                     tok, q = choose(heads.target_logits(logits), sampling, generator)
                 tokens.append(tok)
                 probs.append(q)
+                conf.append(confidence(logits, q))
             return Proposal(
                 tokens=torch.stack(tokens).to(device),
                 probs=None if sampling.greedy else torch.stack(probs),
+                confidence=torch.stack(conf).to(device),
             )
         nodes, parents, ranks_needed = self._tree(depth)
         if not nodes:
             return Proposal(tokens=torch.empty(0, dtype=torch.long, device=device))
-        top = [
-            heads.target_ids(heads.head_logits(d, self._hidden).topk(ranks_needed[d]).indices)
-            for d in range(len(ranks_needed))
-        ]
+        top, top_p = [], []
+        for d in range(len(ranks_needed)):
+            logits = heads.head_logits(d, self._hidden).float()
+            best = logits.topk(ranks_needed[d])
+            top.append(heads.target_ids(best.indices))
+            # Each head's probabilities of its top candidates (the heads draft independently:
+            # a node's confidence given its path is its own head's).
+            top_p.append(torch.exp(best.values - torch.logsumexp(logits, dim=-1)))
         tokens = torch.stack([top[len(node) - 1][node[-1]] for node in nodes])
+        conf = torch.stack([top_p[len(node) - 1][node[-1]] for node in nodes])
         return Proposal(
             tokens=tokens.to(device),
             parents=torch.tensor(parents, dtype=torch.long, device=device),
             priority=self._priority(depth),
+            confidence=conf.to(device),
         )
 
     def _priority(self, depth: int) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ class NGramDrafter(LookupDrafter):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         super().__init__("ngram", min_ngram=min_ngram, max_ngram=max_ngram)
 
-    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+    def match(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
         """Search ``seq`` for its last n tokens, longest n first; propose what followed."""
         length = seq.shape[0]
         for n in range(min(self.longest, length - 1), self.shortest - 1, -1):
@@ -40,8 +40,8 @@ class NGramDrafter(LookupDrafter):
             hits = (windows == seq[length - n :]).all(dim=1).nonzero()
             if hits.numel():
                 start = int(hits[-1]) + n
-                return seq[start : start + k].clone()
-        return seq.new_empty(0)
+                return seq[start : start + k].clone(), n
+        return seq.new_empty(0), 0
 
 
 def build_ngram(path: str | None, options: BuildOptions) -> NGramDrafter:

@@ -34,9 +34,24 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     return kind, path or None
 
 
+def is_auto(spec_or_kind: str) -> bool:
+    """Whether a spec (or its kind) is ``auto:KIND[=DIR]``: chosen per step (``heads/auto.py``)."""
+    return spec_or_kind.startswith(families.AUTO_PREFIX)
+
+
+def inner_kind(kind: str) -> str:
+    """The wrapped kind of ``auto:KIND``; any other kind itself."""
+    return kind[len(families.AUTO_PREFIX) :] if is_auto(kind) else kind
+
+
 def spec_problem(spec: str) -> str | None:
     """What is wrong with one spec (unknown kind, missing or unexpected path), or None."""
     kind, path = parse_spec(spec)
+    if is_auto(kind):
+        inner = inner_kind(kind)
+        if inner not in families.auto_kinds():
+            return f"{spec!r}: auto wraps one of {tuple(families.auto_kinds())}, not {inner!r}"
+        kind = inner
     if kind not in DRAFTERS:
         return f"{spec!r}: kind must be one of {tuple(DRAFTERS)}"
     rule = DRAFTERS[kind].path
@@ -65,7 +80,7 @@ def unused_settings(kinds: Iterable[str], settings: Mapping[str, Any]) -> list[s
     groups: dict[tuple[str, ...], list[str]] = {}  # readers -> the settings they read
     for option, names in readers.items():
         groups.setdefault(tuple(names), []).append(option)
-    chosen = set(kinds)
+    chosen = {inner_kind(k) for k in kinds} | ({"ngram"} if any(map(is_auto, kinds)) else set())
     return [
         f"{'/'.join(options)} need drafter: {' or '.join(names)}"
         for names, options in groups.items()
@@ -74,9 +89,25 @@ def unused_settings(kinds: Iterable[str], settings: Mapping[str, Any]) -> list[s
 
 
 def build(spec: str, options: BuildOptions) -> Any:
-    """The drafter a (checked, see :func:`spec_problem`) spec asks for; None for ``none``."""
+    """The drafter a (checked, see :func:`spec_problem`) spec asks for; None for ``none``.
+
+    ``auto:KIND[=DIR]``: KIND's drafter and the lookups (n-gram with the run's bounds, suffix)
+    under a per-step decision (:class:`~draftsmith.heads.auto.AutoDrafter`) over
+    ``options.verify_costs``, with an identity calibration until the caller fits or loads one.
+    """
     kind, path = parse_spec(spec)
-    return DRAFTERS[kind].build(path, options)
+    if not is_auto(kind):
+        return DRAFTERS[kind].build(path, options)
+    from .auto import AutoDrafter
+    from .ngram import NGramDrafter
+    from .suffix import SuffixDrafter
+
+    if options.verify_costs is None:
+        raise ValueError(f"{spec!r}: auto needs the target's verify costs (evaluate probes them)")
+    learned = DRAFTERS[inner_kind(kind)].build(path, options)
+    lookups = [NGramDrafter(max_ngram=options.ngram_max, min_ngram=options.ngram_min)]
+    lookups.append(SuffixDrafter())
+    return AutoDrafter(learned, lookups, options.verify_costs, clock=options.clock)
 
 
 def kinds_help() -> str:
@@ -85,4 +116,8 @@ def kinds_help() -> str:
     return ", ".join(
         f"{name}{syntax[kind.path]}" + (f" ({kind.help})" if kind.help else "")
         for name, kind in DRAFTERS.items()
+    ) + (
+        f", {families.AUTO_PREFIX}KIND[=DIR] (KIND = {'/'.join(families.auto_kinds())} with "
+        "n-gram and suffix lookup; what to verify chosen per step from calibrated confidences "
+        "and this machine's verify costs)"
     )

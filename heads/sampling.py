@@ -107,6 +107,24 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.softmax(x, dim=-1)
 
 
+def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """The drafter's confidence in each row's pick (``Proposal.confidence``), ``[...]`` float32.
+
+    Greedy (``probs`` None): the softmax probability of the argmax, ``1 / sum(exp(l - max))``,
+    without materialising the distribution. Sampling: the processed row's largest probability,
+    which is known before the token is drawn, so a decision that reads it cannot favour the
+    draws it likes (docs/design.md, "What to verify, per step").
+
+    Args:
+        logits: ``[..., V]`` the drafter's logits for each row.
+        probs: ``[..., V]`` the processed distribution each row's token was drawn from, or None.
+    """
+    if probs is not None:
+        return probs.max(dim=-1).values.float()
+    x = logits.float()
+    return 1.0 / torch.exp(x - x.max(dim=-1, keepdim=True).values).sum(dim=-1)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row, by inverting each row's cumulative distribution.
 

@@ -36,11 +36,12 @@ class SuffixDrafter(LookupDrafter):
     def __init__(self, min_match: int = 2, max_match: int = 32) -> None:
         super().__init__("suffix", min_match=min_match, max_match=max_match)
 
-    def lookup(self, seq: torch.Tensor, k: int) -> torch.Tensor:
+    def match(self, seq: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
         """Match the longest suffix of ``seq`` seen before; vote on what followed it."""
-        ends = self._match_ends(seq)
-        if ends is None:
-            return seq.new_empty(0)
+        found = self._match_ends(seq)
+        if found is None:
+            return seq.new_empty(0), 0
+        ends, n = found
         tokens = seq.tolist()
         length = len(tokens)
         # Positions of the candidate next token, one per occurrence still consistent with the
@@ -54,10 +55,11 @@ class SuffixDrafter(LookupDrafter):
             tok = tokens[max(i for i in nexts if votes[tokens[i]] == best)]
             guess.append(tok)
             nexts = [i + 1 for i in nexts if tokens[i] == tok and i + 1 < length]
-        return torch.tensor(guess, dtype=seq.dtype, device=seq.device)
+        return torch.tensor(guess, dtype=seq.dtype, device=seq.device), n
 
-    def _match_ends(self, seq: torch.Tensor) -> torch.Tensor | None:
-        """End positions of every earlier occurrence of the longest matched suffix, or None.
+    def _match_ends(self, seq: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """End positions of every earlier occurrence of the longest matched suffix, and its
+        length; None when no suffix of the shortest length occurred before.
 
         Occurrences are grown one token to the left at a time, keeping those that still match,
         so each length costs only as much as the occurrences left.
@@ -72,7 +74,7 @@ class SuffixDrafter(LookupDrafter):
             if not longer.numel():
                 break
             ends, n = longer, n + 1
-        return ends if ends.numel() and n >= self.shortest else None
+        return (ends, n) if ends.numel() and n >= self.shortest else None
 
 
 def build_suffix(path: str | None, options: BuildOptions) -> SuffixDrafter:

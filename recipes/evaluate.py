@@ -32,22 +32,25 @@ if __name__ == "__main__" and not __package__:  # run as a file: resolve the imp
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..heads import registry
+from ..heads.auto import AutoDrafter, sampling_key
 from ..heads.base import BuildOptions, runs_own_loop
 from ..heads.sampling import SamplingParams, sampling_problems
 from ..train.config import ConfigError, as_list, cfg_field, config_to_dict, parse_config
 from ..train.core.stop import StopSignals
 from ..train.data.prompts import PromptFileError, load_prompts, render_prompt
+from ..train.decoding import calibration
 from ..train.decoding.draft_length import AdaptiveDraftLength, load_cost_profile
-from ..train.decoding.metrics import results_table
+from ..train.decoding.metrics import category_table, results_table
 from ..train.decoding.partial import PartialRun
 from ..train.decoding.results import (
+    annotate,
     counters,
     divergence,
     identity,
@@ -56,6 +59,7 @@ from ..train.decoding.results import (
     summarize_entries,
 )
 from ..train.decoding.speculative import generate
+from ..train.decoding.verify_cost import probe_verify_costs
 from ..train.device import (
     DEVICE_HELP,
     DeviceTimer,
@@ -173,6 +177,31 @@ class EvalConfig:
     cost_profile: Path | None = cfg_field(
         None,
         help="adaptive_k: verify costs measured by scripts/bench_forward.py (JSON) to start from",
+    )
+    auto_k: int | None = cfg_field(
+        None,
+        help="auto:KIND drafters: most tokens drafted per step (chain length / tree depth); "
+        "None: k",
+        ge=1,
+    )
+    auto_nodes: int | None = cfg_field(
+        None,
+        help="auto:KIND drafters wrapping a tree kind: the candidate tree's size, of which each "
+        "step verifies what pays; None: tree_total_tokens",
+        ge=1,
+    )
+    calibration_prompts: Path | None = cfg_field(
+        None,
+        help="auto:KIND drafters: prompts whose decoding calibrates the drafter's confidences "
+        "(never the evaluated ones); default: the shipped prompt set's train split",
+    )
+    calibration_limit: int = cfg_field(
+        16, help="auto:KIND drafters: calibrate on at most this many prompts", ge=1
+    )
+    recalibrate: bool = cfg_field(
+        False,
+        help="auto:KIND drafters: fit the calibration again even when DIR/calibration.json "
+        "holds a current one for these sampling settings",
     )
     hf_assistant: str = cfg_field(
         "constant",
@@ -299,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(cfg.out, out)
         console = _console()
         console.print(results_table(out.get("methods", [out]), title="merged results"))
+        if (per_category := category_table(out.get("methods", [out]))) is not None:
+            console.print(per_category)
         warning = busy_warning(out.get("machine_load"))
         if warning:
             console.print(
@@ -338,8 +369,23 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.target, cache_dir=cfg.cache_dir, dtype=DTYPES[other], device=device
             )
         options = build_options(cfg, target)
-        drafters = [registry.build(spec, options) for spec in cfg.drafter]
+        probe = None
+        if any(map(registry.is_auto, cfg.drafter)):
+            # What each verify shape costs here: the per-step decision's price list.
+            options.verify_costs, probe = probe_verify_costs(target)
+            print(_costs_line(probe), flush=True)
+        auto_options = replace(options, tree_total_tokens=cfg.auto_nodes or cfg.tree_total_tokens)
+        drafters = [
+            registry.build(spec, auto_options if registry.is_auto(spec) else options)
+            for spec in cfg.drafter
+        ]
         prompts = [render_prompt(tokenizer, r) for r in records]
+        eos = {tokenizer.eos_token_id, *as_list(target.generation_config.eos_token_id)} - {None}
+        decisions = {
+            i: _calibrate(cfg, spec, drafters[i], target, tokenizer, sampling, eos)
+            for i, spec in enumerate(cfg.drafter)
+            if registry.is_auto(spec)
+        }
     except (PromptFileError, TargetError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -358,7 +404,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"resuming: {len(done)} of {len(records)} prompts already done in "
                 f"{partial.path} (--no-resume starts over)"
             )
-    eos = {tokenizer.eos_token_id, *as_list(target.generation_config.eos_token_id)} - {None}
     common = dict(k=cfg.k, max_new_tokens=cfg.max_new_tokens, sampling=sampling, eos_token_id=eos)
     # One policy per drafter for the whole run: what it learns carries across prompts.
     costs = None
@@ -383,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         # A reference drafter with its own loop (transformers' generate) runs that; others ours.
         if runs_own_loop(drafter):
             return drafter.generate(target, ids, **{**common, **kwargs})
+        if isinstance(drafter, AutoDrafter):  # its own depth: it verifies only what pays
+            kwargs = {"k": method_k(drafter), **kwargs}
         return generate(target, ids, drafter, **{**common, **kwargs})
+
+    def method_k(drafter) -> int:
+        return cfg.auto_k or cfg.k if isinstance(drafter, AutoDrafter) else cfg.k
 
     warm = cfg.warmup_prompts
     if warm is None:
@@ -504,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, name in enumerate(names):
         per_prompt = [entries[i] for entries in finished]
-        result = {"method": name, "k": cfg.k, "temperature": cfg.temperature}
+        k = cfg.k if drafters[i] is None else method_k(drafters[i])
+        result = {"method": name, "k": k, "temperature": cfg.temperature}
         result["adaptive_k"] = cfg.adaptive_k
         if policies[i] is not None:
             chosen = policies[i].chosen  # this segment's choices (a resumed policy starts anew)
@@ -514,11 +565,14 @@ def main(argv: list[str] | None = None) -> int:
         training = drafter_training(registry.parse_spec(cfg.drafter[i])[1])
         if training:
             result["drafter_training"] = training
-        result.update(summarize_entries(per_prompt, cfg.k, cfg.dtype, other if reference else None))
+        result.update(summarize_entries(per_prompt, k, cfg.dtype, other if reference else None))
         # Sampled outputs are compared in distribution, not per sample.
         result.update(identity(per_prompt, compared=cfg.baseline and sampling.greedy))
+        if i in decisions:  # what the per-step decision did (this segment's steps)
+            result["decision"] = {**decisions[i], "stats": dict(drafters[i].stats)}
         result["per_prompt"] = per_prompt
         results.append(result)
+    annotate(results)
     # One drafter: its result is the file (the historic layout). Several: one entry each under
     # "methods", sharing the baseline measured in the same run.
     out = dict(results[0]) if len(results) == 1 else {"methods": results}
@@ -528,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     if done:
         out["resumed_prompts"] = len(done)
     out["machine_load"] = load
+    if probe is not None:
+        out["verify_costs"] = probe
     if stopped_early:
         print(
             f"max_minutes={cfg.max_minutes} reached: {out['prompts_evaluated']} of "
@@ -541,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
 
     console = _console()
     console.print(results_table(results, title=f"target: {cfg.target or 'SmolLM2-135M-Instruct'}"))
+    if (per_category := category_table(results)) is not None:
+        console.print(per_category)
     warning = busy_warning(out["machine_load"])
     if warning:
         console.print(warning, style="bold yellow", markup=False, highlight=False, soft_wrap=True)
@@ -573,6 +631,67 @@ def main(argv: list[str] | None = None) -> int:
                     f"the first differing token: {gaps})"
                 )
     return code
+
+
+def _costs_line(probe: dict) -> str:
+    """One line on the verify costs the per-step decision will use."""
+    med = probe["median_ms"]
+    chain = " ".join(f"{w}:{ms:.0f}" for w, ms in med["chain"].items())
+    tree = " ".join(f"{n}:{ms:.0f}" for n, ms in med["tree"].items())
+    return f"verify costs, ms by chain width: {chain}; by tree nodes: {tree}"
+
+
+def _calibrate(cfg: EvalConfig, spec: str, auto, target, tokenizer, sampling, eos) -> dict:
+    """Load or fit an ``auto:KIND[=DIR]`` drafter's calibration (train/decoding/calibration.py)
+    and set it on the drafter; returns what the results record of it."""
+    path = registry.parse_spec(spec)[1]
+    stored = None
+    if path and not cfg.recalibrate:
+        stored = calibration.load(path, sampling)
+    if stored is not None:
+        auto.calibration, report = stored
+        print(f"{auto.name}: calibration from {Path(path) / calibration.FILE}")
+        return {"calibration": {"file": str(Path(path) / calibration.FILE), **report}}
+    split = None if cfg.calibration_prompts else "train"
+    records = load_prompts(cfg.calibration_prompts, split=split, limit=cfg.calibration_limit)
+    prompts = [render_prompt(tokenizer, r) for r in records]
+    started = time.perf_counter()
+    print(f"{auto.name}: calibrating on {len(prompts)} prompts", flush=True)
+    per_prompt = calibration.record_prompts(
+        target,
+        auto.learned,
+        auto.lookups,
+        prompts,
+        costs=auto.costs,
+        k=cfg.auto_k or cfg.k,
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=sampling,
+        eos_token_id=eos,
+        seed=cfg.seed,
+    )
+    auto.calibration, report = calibration.calibrate(per_prompt, sampling_key(sampling))
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    report["prompt_file"] = str(cfg.calibration_prompts or "shipped prompts, train split")
+    record = {"calibration": report}
+    if path:
+        try:
+            record["calibration"]["file"] = str(
+                calibration.save(path, sampling, auto.calibration, report)
+            )
+        except OSError as exc:  # a read-only checkpoint: the fit still serves this run
+            print(f"warning: calibration not saved beside {path}: {exc}", file=sys.stderr)
+    raw, fitted = report["heldout_ece_raw"], report["heldout_ece_calibrated"]
+    print(
+        f"{auto.name}: calibrated on {report['learned_nodes']} learned and "
+        f"{report['lookup_nodes']} lookup nodes in {report['seconds']} s (held-out ECE "
+        f"{_fmt(raw)} raw, {_fmt(fitted)} calibrated)",
+        flush=True,
+    )
+    return record
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _parse_shard(text: str) -> tuple[int, int] | None:

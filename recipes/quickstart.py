@@ -210,6 +210,12 @@ CACHE_TARGET_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 # quickstart30_d43cdec/shapes_packed.json).
 TREE_TOPK = 4
 TREE_NODES = 5
+# The per-step decision's candidates (auto:eagle-tree): a tree of up to 16 nodes, depth 4, of
+# which each step verifies what pays on this machine (heads/auto.py); it is calibrated on 16
+# validation prompts before the evaluation.
+AUTO_K = 4
+AUTO_NODES = 16
+AUTO_CALIBRATION_PROMPTS = budget.AUTO_CALIBRATION_PROMPTS
 DRAFT_VOCAB_SIZE = 8192  # the shipped config's: ~97 % of SmolLM2's answer tokens
 MAGPIE_MAX_NEW_TOKENS = 64  # a user message; longer candidates are cut ("unfinished") early
 MAGPIE_ATTEMPTS_PER_PROMPT = 2.5  # stop at a kept share under 40 %: the budget, not the count
@@ -304,6 +310,13 @@ class QuickstartConfig:
         f"{TREE_TOPK} children per expanded node) beside the chain, and report the faster "
         "shape; 0: the chain alone. vLLM serves the chain",
         ge=0,
+    )
+    auto: bool = cfg_field(
+        True,
+        help="also evaluate the per-step decision (auto:eagle-tree: the drafter's tree of up to "
+        f"{AUTO_NODES} nodes, depth {AUTO_K}, merged with n-gram and suffix lookup, verifying "
+        "per step only what pays on this machine, calibrated first on the validation prompts) "
+        "and plain n-gram lookup beside the fixed shapes; the fastest is reported",
     )
     max_new_tokens: int = cfg_field(
         128, help="answer length: self-distilled answers and evaluated outputs", ge=1
@@ -1203,6 +1216,14 @@ class Quickstart(StageJob):
         )
         settings.update(tree)
         shapes = [f"eagle={drafter}"] + ([f"eagle-tree={drafter}"] if tree else [])
+        if cfg.auto:  # beside the fixed shapes: plain n-gram lookup and the per-step decision
+            shapes += ["ngram", f"auto:eagle-tree={drafter}"]
+            settings.update(
+                auto_k=AUTO_K,
+                auto_nodes=AUTO_NODES,
+                calibration_prompts=self.out / VAL_PROMPTS,
+                calibration_limit=AUTO_CALIBRATION_PROMPTS,
+            )
         argv = [
             "evaluate",
             *flags(
@@ -1217,11 +1238,17 @@ class Quickstart(StageJob):
         return Stage(
             name="evaluate",
             title=f"evaluate on {plan.eval_prompts} held-out prompts (plain vs EAGLE-3 "
-            f"{'chain and tree' if tree else 'chain'}, {plan.eval_dtype})",
+            f"{'chain and tree' if tree else 'chain'}"
+            f"{', n-gram and auto' if cfg.auto else ''}, {plan.eval_dtype})",
             argv=argv,
             output=output,
             complete=lambda: len(evaluated_shapes(read_json(output))) == len(shapes),
-            identity={**settings, "drafter": drafter.name, "target": cfg.target},
+            identity={
+                **{k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},
+                "drafter": drafter.name,
+                "target": cfg.target,
+                "shapes": len(shapes),
+            },
             restart=("--no-resume",),  # other settings: not the prompts of a stopped run
             estimate_s=plan.estimates["evaluate"],
         )

@@ -225,26 +225,49 @@ def test_main_job_runs_every_stage(job):
     # The evaluation: the chain and the 6-node tree of depth k = 2 on one plain baseline, each
     # τ >= 1 and lossless, on held-out prompts.
     evaluation = json.loads((out / "eval.json").read_text())
-    chain, tree = evaluation["methods"]
+    chain, tree, ngram, auto = evaluation["methods"]
     assert chain["method"].startswith("eagle3-chain[") and tree["method"].startswith("eagle3-tree[")
+    assert ngram["method"].startswith("ngram[") and auto["method"].startswith("auto[eagle3-tree[")
     config = evaluation["config"]
     assert config["k"] == 2 and config["tree_total_tokens"] == 5 and config["tree_topk"] == 4
+    assert config["auto_k"] == 4 and config["auto_nodes"] == 16
     assert config["dtype"] == "float32" and config["split"] == "auto"
-    for res in (chain, tree):
+    shapes = (chain, tree, ngram, auto)
+    for res in shapes:
         assert res["acceptance_length"] >= 1.0 and res["num_prompts"] == 2
         assert res["identical_to_target"] is True
         assert {p["id"] for p in res["per_prompt"]} <= {r.id for r in _heldout()}
-    # The job reports the faster shape (the chain on a tie) and shows both.
-    fastest = max(r["speedup_vs_fastest_plain"] for r in (chain, tree))
-    reported = chain if chain["speedup_vs_fastest_plain"] == fastest else tree
+        assert sum(c["prompts"] for c in res["by_category"].values()) == 2
+    # auto: calibrated on the job's validation prompts (never the held-out ones), the verify
+    # costs probed, paired against every other shape.
+    calibration = auto["decision"]["calibration"]
+    assert calibration["prompt_file"] == str(out / "data/val_prompts.jsonl")
+    assert calibration["prompts"] == 16 and calibration["learned_nodes"] > 0
+    assert (out / "eagle3/best/calibration.json").is_file()
+    assert evaluation["verify_costs"]["median_ms"]["chain"]["1"] > 0
+    assert [v["against"] for v in auto["versus"]] == [r["method"] for r in shapes[:3]]
+    # The job reports the fastest shape (the first on a tie) and shows every one.
+    fastest = max(r["speedup_vs_fastest_plain"] for r in shapes)
+    reported = next(r for r in shapes if r["speedup_vs_fastest_plain"] == fastest)
     summary = state(out)["summary"]
     assert summary["acceptance_length"] == reported["acceptance_length"]
     assert summary["speedup_vs_fastest_plain"] == fastest
-    labels = ["chain, k = 2", "tree of 5 nodes, depth 2"]
+    labels = [
+        "chain, k = 2",
+        "tree of 5 nodes, depth 2",
+        "n-gram lookup, k = 2",
+        "auto (tree of up to 16 nodes, depth 4, with lookup)",
+    ]
     assert [s["shape"] for s in summary["shapes"]] == labels
-    assert summary["shape"] == labels[reported is tree]
+    assert summary["shape"] == labels[shapes.index(reported)]
     assert f"{summary['shape']}: τ (tokens per target forward): " in job.printed
-    assert "reported: the faster; vLLM serves the chain" in job.printed
+    assert "reported: the fastest; vLLM serves the chain" in job.printed
+    # The export's card says what an engine serves of these shapes.
+    card = (out / "export/README.md").read_text()
+    assert "## What an engine serves of the measurements" in card
+    assert "draftsmith's loop's figure" in card and '"method": "ngram"' in card
+    # Said exactly when auto was not the fastest.
+    assert ("auto was not the fastest shape here" in job.printed) == (reported is not auto)
     assert (
         f"| {labels[0]}{' (reported)' * (reported is chain)} |" in (out / "summary.md").read_text()
     )
@@ -358,7 +381,7 @@ def test_stage_cut_short_resumes(job):
 
 def test_changed_setting_reruns_that_stage_and_later_ones(job):
     before = {name: s.get("runs", 0) for name, s in state(job.out)["stages"].items()}
-    code, printed = run_job([*job.argv, "--k", "3", "--tree-nodes", "0"])
+    code, printed = run_job([*job.argv, "--k", "3", "--tree-nodes", "0", "--no-auto"])
     assert code == 0, printed
     runs = {name: s.get("runs", 0) for name, s in state(job.out)["stages"].items()}
     # k is the training's TTT unroll too: training reruns, the data stages do not.

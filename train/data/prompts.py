@@ -50,12 +50,15 @@ class PromptRecord:
         reference: A reference answer when the record carried one (Alpaca ``output``, prompt
             ``completion`` or a trailing assistant turn, which is then not part of
             ``messages``), else ``None``.
+        category: The record's ``category`` field (``coding``, ``math``, ...; the shipped
+            prompt sets carry one), else ``None``: evaluations report per category.
     """
 
     messages: list[dict[str, str]]
     id: str
     source: str
     reference: str | None = None
+    category: str | None = None
 
 
 class PromptFileError(DataFileError):
@@ -188,7 +191,15 @@ def _prompt_record(conv: Conversation) -> PromptRecord:
     messages = list(conv.messages)
     # By the turn rule a chat ends with a user turn once one trailing answer is dropped.
     reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
-    return PromptRecord(messages=messages, id=conv.id, source=conv.source, reference=reference)
+    # The record's ``category`` (the shipped sets carry one) groups results per kind of prompt.
+    category = conv.raw.get("category")
+    return PromptRecord(
+        messages=messages,
+        id=conv.id,
+        source=conv.source,
+        reference=reference,
+        category=str(category) if category is not None else None,
+    )
 
 
 def _in_split(conv: Conversation, split: str) -> bool:

@@ -175,3 +175,45 @@ def identical_text(r: dict[str, Any], *, sampled: str = "-", gaps: bool = False)
         gap = max(abs(t.get("logit_gap", 0.0)) for t in ties)
         return f"{rate} ({len(ties)} near-ties, max gap {gap:.3f})"
     return "NO"
+
+
+def category_table(rows: Sequence[dict[str, Any]], title: str = "per category"):
+    """A rich Table of each method's speedup per prompt category (``by_category``), over the
+    fastest plain decoding where both dtypes were timed, else over plain in the run's dtype;
+    None when no method has categories or there is only one."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    cats = sorted({c for r in rows for c in (r.get("by_category") or {})})
+    if len(cats) < 2:
+        return None
+    key = (
+        "speedup_vs_fastest_plain"
+        if all(
+            "speedup_vs_fastest_plain" in c
+            for r in rows
+            for c in (r.get("by_category") or {}).values()
+        )
+        else "speedup"
+    )
+    label = "× fastest plain" if key == "speedup_vs_fastest_plain" else "× plain"
+    table = Table(title=f"{title} ({label}; τ)")
+    table.add_column("category")
+    table.add_column("prompts", justify="right")
+    for r in rows:
+        table.add_column(escape(str(r["method"]).split("[")[0]), justify="right")
+    for cat in cats:
+        cells = []
+        prompts = "-"
+        for r in rows:
+            c = (r.get("by_category") or {}).get(cat)
+            if c is None:
+                cells.append("-")
+                continue
+            prompts = str(c["prompts"])
+            value = c.get(key)
+            cells.append(
+                f"{value:.2f}x, {c['acceptance_length']:.2f}" if value is not None else "-"
+            )
+        table.add_row(cat, prompts, *cells)
+    return table

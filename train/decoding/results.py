@@ -11,6 +11,7 @@ they part (:func:`divergence`): a near-tie in bf16, or a bug.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ def prompt_entry(record, ids, spec: GenerationOutput, base: GenerationOutput | N
     """
     entry = {
         "id": record.id,
+        "category": getattr(record, "category", None),
         "prompt_tokens": len(ids),
         "new_tokens": len(spec.tokens),
         "acceptance_length": spec.acceptance_length,
@@ -203,7 +205,6 @@ def merge_results(paths: list[Path]) -> dict:
             raise ValueError(f"{path}: settings differ from {first_path}: {', '.join(diff)}")
         if [m["method"] for m in methods] != names:
             raise ValueError(f"{path}: methods differ from {first_path}")
-    k = first["k"] if "k" in first else first_methods[0]["k"]
     results = []
     for i, name in enumerate(names):
         entries = [p for _, _, methods in loaded for p in methods[i]["per_prompt"]]
@@ -219,13 +220,17 @@ def merge_results(paths: list[Path]) -> dict:
         result = {key: template[key] for key in ("method", "k", "temperature", "adaptive_k")}
         result["dtype"] = template.get("dtype", "float32")
         other = (template.get("reference_plain") or {}).get("dtype")
-        result.update(summarize_entries(entries, k, result["dtype"], other))
+        result.update(summarize_entries(entries, template["k"], result["dtype"], other))
         # Sampled runs compare in distribution, not per sample (as one run reports them).
         greedy = first["config"].get("temperature", 0.0) == 0
         flags = [p.get("identical_to_target") for p in entries]
         result.update(identity(entries, compared=greedy and None not in flags))
+        decisions = [methods[i]["decision"] for _, _, methods in loaded if "decision" in methods[i]]
+        if decisions:
+            result["decision"] = merge_decisions(decisions)
         result["per_prompt"] = entries
         results.append(result)
+    annotate(results)
     out = dict(results[0]) if len(results) == 1 and "methods" not in first else {"methods": results}
     out["config"] = first["config"]
     out["merged_from"] = [str(p) for p in paths]
@@ -233,8 +238,162 @@ def merge_results(paths: list[Path]) -> dict:
     for key in ("command", "versions", "git_commit", "machine"):
         if key in first:
             out[key] = first[key]
+    probes = [data["verify_costs"] for _, data, _ in loaded if data.get("verify_costs")]
+    if probes:
+        out["verify_costs"] = probes[0] if len(probes) == 1 else {"shards": probes}
     # Each shard's load record: a busy shard makes the merged timings unreliable too.
     loads = [data["machine_load"] for _, data, _ in loaded if data.get("machine_load")]
     if loads:
         out["machine_load"] = {"shards": loads, "busy": any(ld.get("busy") for ld in loads)}
     return out
+
+
+# --- per category, and one method against another ------------------------------------------------
+
+#: Two-sided 95 % quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond.
+_T975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
+
+
+def _t975(df: int) -> float:
+    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
+
+
+def category_of(entry: dict) -> str:
+    """A per-prompt entry's category (``uncategorised`` for prompts without one)."""
+    return entry.get("category") or "uncategorised"
+
+
+def by_category(entries: list[dict]) -> dict[str, dict[str, Any]]:
+    """One method's figures per prompt category, from its per-prompt entries.
+
+    Each category: prompts, τ (tokens per target forward), tokens/s, the speedup over plain
+    decoding in the run's dtype and, where the other dtype was timed too, over the faster of
+    the two plain decodings on this category's prompts (``speedup_vs_fastest_plain``).
+    """
+    groups: dict[str, list[dict]] = {}
+    for e in entries:
+        groups.setdefault(category_of(e), []).append(e)
+    out = {}
+    for name, group in sorted(groups.items()):
+        tokens = sum(e["new_tokens"] for e in group)
+        wall = sum(e["counters"]["wall_time"] for e in group)
+        forwards = sum(e["counters"]["target_forwards"] for e in group)
+        row: dict[str, Any] = {
+            "prompts": len(group),
+            "acceptance_length": tokens / max(forwards, 1),
+            "tokens_per_second": tokens / wall if wall else 0.0,
+        }
+        plain = []
+        for key in ("baseline_counters", "reference_counters"):
+            if all(key in e for e in group):
+                t = sum(e[key]["new_tokens"] for e in group)
+                w = sum(e[key]["wall_time"] for e in group)
+                plain.append(t / w if w else 0.0)
+        if plain:
+            row["speedup"] = row["tokens_per_second"] / plain[0] if plain[0] else 0.0
+        if len(plain) == 2 and max(plain):
+            row["speedup_vs_fastest_plain"] = row["tokens_per_second"] / max(plain)
+        out[name] = row
+    return out
+
+
+def paired_ratio(a: list[dict], b: list[dict]) -> dict[str, Any] | None:
+    """Method a against method b on the same prompts: the geometric mean of the per-prompt
+    tokens/s ratios a/b and its 95 % t-interval (from the log ratios), None without prompts."""
+    speeds = {e["id"]: e["tokens_per_second"] for e in b}
+    logs = [
+        math.log(e["tokens_per_second"] / speeds[e["id"]])
+        for e in a
+        if e["id"] in speeds and e["tokens_per_second"] > 0 and speeds[e["id"]] > 0
+    ]
+    if not logs:
+        return None
+    n = len(logs)
+    mean = sum(logs) / n
+    if n == 1:  # one pair: no interval
+        return {"prompts": 1, "ratio": math.exp(mean), "low": None, "high": None}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (n - 1))
+    half = _t975(n - 1) * sd / math.sqrt(n)
+    return {
+        "prompts": n,
+        "ratio": math.exp(mean),
+        "low": math.exp(mean - half),
+        "high": math.exp(mean + half),
+    }
+
+
+def versus(results: list[dict], method: str) -> list[dict[str, Any]]:
+    """``method`` against every other method of one run, paired per prompt, overall and per
+    category (:func:`paired_ratio`): the evidence for "at least as fast as the others".
+    """
+    mine = next(r for r in results if r["method"] == method)["per_prompt"]
+    rows = []
+    for other in results:
+        if other["method"] == method:
+            continue
+        theirs = other["per_prompt"]
+        row = {"against": other["method"], "overall": paired_ratio(mine, theirs)}
+        cats: dict[str, Any] = {}
+        for name in sorted({category_of(e) for e in mine}):
+            cats[name] = paired_ratio(
+                [e for e in mine if category_of(e) == name],
+                [e for e in theirs if category_of(e) == name],
+            )
+        row["by_category"] = cats
+        rows.append(row)
+    return rows
+
+
+def annotate(results: list[dict]) -> None:
+    """Add each method's ``by_category`` and, for every ``auto[...]`` method, its ``versus``
+    every other method (one run's results, or merged shards), in place."""
+    for result in results:
+        result["by_category"] = by_category(result["per_prompt"])
+    if len(results) > 1:
+        for result in results:
+            if str(result["method"]).startswith("auto["):
+                result["versus"] = versus(results, result["method"])
+
+
+def merge_decisions(decisions: list[dict]) -> dict[str, Any]:
+    """Shards' ``decision`` records of one auto method: counters summed, the rest of the first
+    shard's kept (each shard's calibration and probe are its own: kept under ``shards``)."""
+    first = dict(decisions[0])
+    stats: dict[str, Any] = {}
+    for d in decisions:
+        for key, value in (d.get("stats") or {}).items():
+            stats[key] = stats.get(key, 0) + value
+    first["stats"] = stats
+    first["shards"] = [{k: v for k, v in d.items() if k != "stats"} for d in decisions]
+    return first

@@ -91,6 +91,19 @@ def provenance(src: Path, metrics_json: str | Path | None) -> dict[str, Any]:
             )
             info["evaluation"] = {k: result.get(k) for k in keep if k in result}
             info["evaluation"]["file"] = str(path)
+            data = read_json(path)
+            methods = data.get("methods") if isinstance(data, dict) else None
+            if isinstance(methods, list):  # every shape of the run, for the serving section
+                info["evaluation"]["shapes"] = [
+                    {
+                        "method": m.get("method"),
+                        "k": m.get("k"),
+                        "acceptance_length": m.get("acceptance_length"),
+                        "speedup_vs_fastest_plain": m.get("speedup_vs_fastest_plain"),
+                    }
+                    for m in methods
+                    if isinstance(m, dict) and "acceptance_length" in m
+                ]
             break
     if metrics_json and "evaluation" not in info:
         raise ExportError(f"{metrics_json}: no acceptance_length found (not an evaluation JSON)")
@@ -219,5 +232,40 @@ def model_card(fmt: str, cfg: EagleConfig, info: dict[str, Any], target: str, k:
         "",
         *_usage(fmt, target, k),
         "",
+        *_serving_lines(evaluation or {}, k),
     ]
     return "\n".join(lines)
+
+
+def _serving_lines(evaluation: dict[str, Any], k: int) -> list[str]:
+    """What an engine serves of the measured shapes: the chain is this export; draftsmith's
+    per-step decision (auto) and its trees run in draftsmith's loop only."""
+    shapes = evaluation.get("shapes") or []
+    if not any(str(s.get("method", "")).startswith("auto[") for s in shapes):
+        return []
+    rows = [
+        f"| `{s['method'].split('[')[0]}` | {_fmt(s.get('k'))} | "
+        f"{_fmt(s.get('acceptance_length'))} | {_fmt(s.get('speedup_vs_fastest_plain'))} |"
+        for s in shapes
+    ]
+    return [
+        "## What an engine serves of the measurements",
+        "",
+        f"Measured in draftsmith's loop (`{Path(evaluation['file']).name}`; speedup over the "
+        "fastest plain decoding timed in the same run):",
+        "",
+        "| shape | k | τ | × fastest plain |",
+        "|---|---|---|---|",
+        *rows,
+        "",
+        f"- **The chain** (k = {k}) is what this export serves, as the usage above says.",
+        "- **The lookup alone** is vLLM's own `ngram` method (`--speculative-config "
+        '\'{"method": "ngram", "num_speculative_tokens": ' + str(k) + ", "
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'`), without this drafter.',
+        "- **auto** (draftsmith's per-step decision: verify per step only what its calibrated "
+        "confidences and this machine's verify costs say pays, over the drafter's tree and "
+        "n-gram/suffix lookup) is **draftsmith's loop's figure**: no engine serves it; vLLM "
+        "verifies a fixed k every step and cannot merge lookup and drafter candidates in one "
+        "step or skip a step on low confidence.",
+        "",
+    ]

@@ -180,6 +180,10 @@ EVAL_SHARE = 0.17
 #: Evaluation streams per prompt: plain bf16, plain fp32 (the reference) and the speculative
 #: chain; the tree (``tree_nodes`` > 0) is one more.
 EVAL_STREAMS = 3
+#: With the per-step decision (the quickstart's ``--auto``): n-gram lookup and auto, two more
+#: streams, and the calibration's prompts.
+AUTO_STREAMS = 2
+AUTO_CALIBRATION_PROMPTS = 16
 MIN_RECORDS = 40
 MIN_TRAIN_S = 60.0
 #: Validations a training run makes (every quarter of its steps, and at the end when it stops
@@ -310,8 +314,12 @@ def make_plan(
         eval_rates: the evaluation rates the probe compared, per dtype (shown in the plan line).
     """
     budget = PLAN_SHARE * 60 * cfg.budget_minutes
-    streams = EVAL_STREAMS + (1 if cfg.tree_nodes else 0)
+    auto = bool(getattr(cfg, "auto", False))
+    streams = EVAL_STREAMS + (1 if cfg.tree_nodes else 0) + (AUTO_STREAMS if auto else 0)
     per_eval_prompt = streams * cfg.max_new_tokens / rates.eval_tokens_per_s
+    # The per-step decision's calibration decodes validation prompts first, verifying every
+    # candidate (about a plain stream's time per prompt on a CPU).
+    calibrate = AUTO_CALIBRATION_PROMPTS * cfg.max_new_tokens / rates.eval_tokens_per_s
     eval_prompts = cfg.eval_prompts or int(
         min(16, max(4, round(EVAL_SHARE * 60 * cfg.budget_minutes / per_eval_prompt)))
     )
@@ -319,7 +327,7 @@ def make_plan(
         "prepare": rates.prepare_s + probe_s,
         "validation": rates.distill_s(validation, cfg.max_new_tokens) if validation else 0.0,
         "tokenize": rates.tokenize_s + rates.load_s,
-        "evaluate": eval_prompts * per_eval_prompt + 4 * rates.load_s,
+        "evaluate": eval_prompts * per_eval_prompt + 4 * rates.load_s + (calibrate if auto else 0),
         "export": rates.export_s,
     }
     fixed = sum(est.values()) + 4 * rates.load_s  # prompts, distill, cache, train start

@@ -97,11 +97,14 @@ def drafter_family(spec: str) -> dict[str, str | None]:
         checkpoint names none of them.
     """
     kind, path = registry.parse_spec(spec)
+    auto = registry.is_auto(kind)
+    kind = registry.inner_kind(kind)
     declared = families.kinds()[kind]
     family = families.family_of(kind, path)
     return {
         "family": family.name if family else None,
-        "shape": declared.shape,
+        # auto:KIND: what it verifies is chosen per step, its own shape (no recommendation).
+        "shape": "auto" if auto else declared.shape,
         "loop": declared.loop,
     }
 

@@ -70,7 +70,13 @@ def shape_label(result: dict[str, Any], config: dict[str, Any] | None = None) ->
         config: the evaluation's config (``eval.json``'s ``config``: ``tree_total_tokens``).
     """
     k = result.get("k", "-")
-    if "-tree[" in str(result.get("method", "")):
+    method = str(result.get("method", ""))
+    if method.startswith("auto["):
+        nodes = (config or {}).get("auto_nodes") or (config or {}).get("tree_total_tokens", "-")
+        return f"auto (tree of up to {nodes} nodes, depth {k}, with lookup)"
+    if method.startswith("ngram["):
+        return f"n-gram lookup, k = {k}"
+    if "-tree[" in method:
         nodes = (config or {}).get("tree_total_tokens", "-")
         return f"tree of {nodes} nodes, depth {k}"
     return f"chain, k = {k}"
@@ -254,10 +260,19 @@ def _shapes_line(summary: dict[str, Any]) -> list[str]:
         f"{fmt_number(s.get('speedup_vs_fastest_plain'), '.2f', 'x')}"
         for s in shapes
     )
-    return [
-        f"shapes (× the fastest plain decoding): {each}; reported: the faster; vLLM serves the "
-        f"chain (EAGLE-2 trees run in draftsmith's loop)"
+    lines = [
+        f"shapes (× the fastest plain decoding): {each}; reported: the fastest; vLLM serves the "
+        f"chain (EAGLE-2 trees and auto run in draftsmith's loop)"
     ]
+    auto = next((s for s in shapes if str(s["shape"]).startswith("auto")), None)
+    if auto is not None and auto["shape"] != summary.get("shape"):
+        lines.append(
+            f"auto was not the fastest shape here: {summary.get('shape')} ran "
+            f"{fmt_number(summary.get('speedup_vs_fastest_plain'), '.2f', 'x')} against auto's "
+            f"{fmt_number(auto.get('speedup_vs_fastest_plain'), '.2f', 'x')} (the fastest plain "
+            "decoding = 1)"
+        )
+    return lines
 
 
 def _shapes_table(summary: dict[str, Any]) -> str:
@@ -279,9 +294,10 @@ def _shapes_table(summary: dict[str, Any]) -> str:
     )
     lines = [
         "",
-        "Both shapes of the same drafter, on the same prompts, interleaved with one plain "
-        "baseline; the table above is the faster one's. vLLM serves the chain; EAGLE-2 trees run "
-        "in draftsmith's loop (`draftsmith evaluate --drafter eagle-tree=DIR`).",
+        "Every shape on the same prompts, interleaved with one plain baseline; the table above "
+        "is the fastest one's. vLLM serves the chain; EAGLE-2 trees and auto (the per-step "
+        "decision over the drafter's tree and n-gram/suffix lookup) run in draftsmith's loop "
+        "(`draftsmith evaluate --drafter eagle-tree=DIR auto:eagle-tree=DIR`).",
         "",
         f"| | {' | '.join(cols)} |",
         "|---|" + "---:|" * len(shapes),
@@ -291,6 +307,7 @@ def _shapes_table(summary: dict[str, Any]) -> str:
         row("speedup over plain, same dtype", "speedup", ".2f", "x"),
         row("speedup over the fastest plain", "speedup_vs_fastest_plain", ".2f", "x"),
     ]
+    lines += ["", *_shapes_line(summary)[1:]]  # says so when auto was not the fastest
     return "\n".join(lines) + "\n"
 
 
