@@ -30,8 +30,8 @@ machine:
 * **Draft cost.** The learned drafter's time is spent before the choice. After each drafted step
   the expected value it added over the lookups alone, less ``R · draft seconds``, is averaged; a
   drafter whose average is negative sits out the next steps (1, 2, 4, ... up to
-  ``max_sit_out``, reset by a step that paid, and at each new sequence). Its draft depth follows
-  the deepest node the last choice kept, plus one.
+  ``max_sit_out``, reset by a step that paid, and at each new sequence). Its draft depth is one
+  past the deepest level whose chosen nodes were worth that level's share of the draft time.
 
 Lossless by construction (docs/design.md, "What to verify, per step"): greedy candidates are
 functions of the accepted prefix, so any choice among them leaves the loop's greedy identity
@@ -441,8 +441,7 @@ class AutoDrafter:
             with_it = choose_nodes(cands, self.costs, rate)[1]
             without = choose_nodes(cands, self.costs, rate, allowed=lookup_nodes)[1]
             self._judge(with_it - without - rate * draft_s)
-            deepest = max((cands.depth(j) for j in chosen if cands.learned[j] >= 0), default=0)
-            self._depth = deepest + 1
+            self._depth = self._next_depth(cands, chosen, draft_s, rate)
         self._open_step(ids, learned, cands, chosen, draft_s)
         return self._proposal(cands, chosen, learned, ids.device)
 
@@ -513,6 +512,23 @@ class AutoDrafter:
         self._tokens = 0.98 * self._tokens + accepted + 1
         self._seconds = 0.98 * self._seconds + step["seconds"]
         self.stats["tokens"] += accepted + 1
+
+    def _next_depth(self, cands: Candidates, chosen: list[int], draft_s: float, rate: float) -> int:
+        """The next draft depth: one past the deepest level whose chosen learned-only nodes
+        were worth that level's draft time (R · draft seconds / levels drafted), so a level
+        that stopped paying is no longer drafted and one that might is tried again."""
+        levels = [cands.depth(j) for j in range(len(cands)) if cands.learned[j] >= 0]
+        if not levels:
+            return 1
+        per_level = rate * draft_s / max(levels)
+        r = cands.reach()
+        gain: dict[int, float] = {}
+        for j in chosen:
+            if cands.learned[j] >= 0 and not cands.lookup[j]:
+                d = cands.depth(j)
+                gain[d] = gain.get(d, 0.0) + r[j]
+        worth = [d for d, g in gain.items() if g >= per_level]
+        return max(worth, default=0) + 1
 
     def _judge(self, net: float) -> None:
         """Average the learned drafter's net value; a negative average makes it sit out."""

@@ -1314,6 +1314,7 @@ class Quickstart(StageJob):
             "speedup",
             "speedup_vs_fastest_plain",
             "identical_rate",
+            "by_category",
         )
         summary = {
             "shape": shape_label(result, config) if result else None,

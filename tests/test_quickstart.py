@@ -262,6 +262,11 @@ def test_main_job_runs_every_stage(job):
     assert summary["shape"] == labels[shapes.index(reported)]
     assert f"{summary['shape']}: τ (tokens per target forward): " in job.printed
     assert "reported: the fastest; vLLM serves the chain" in job.printed
+    # summary.md: every shape per category of the held-out prompts.
+    markdown = (out / "summary.md").read_text()
+    assert "Per category of the held-out prompts" in markdown
+    for cat in auto["by_category"]:
+        assert f"| {cat} | " in markdown
     # The export's card says what an engine serves of these shapes.
     card = (out / "export/README.md").read_text()
     assert "## What an engine serves of the measurements" in card

@@ -5,9 +5,10 @@ what verifying it costs, so it needs the target's forward time for a chain of w 
 tree of n nodes, on the run's own device, dtype and threads, with a KV cache of a typical
 context. The curve is not smooth: on a CPU, oneDNN picks kernels by shape, and in fp32 on the
 AVX2 kind a forward of 4 tokens is cheaper than one of 3 (docs/performance.md); on a GPU it is
-nearly flat. So it is measured, not modelled: two untimed rounds, then ``reps`` rounds that
+nearly flat. So it is measured, not modelled: three untimed rounds, then ``reps`` rounds that
 visit every shape once each (interleaved: a slow spell of the machine hits every shape alike),
-and the median per shape. Every repetition is kept in the record (``verify_costs`` in the
+and the median per shape, fitted non-decreasing in size except where a dip is beyond the
+repetitions' noise (:func:`smooth`). Every repetition is kept in the record (``verify_costs`` in the
 evaluation's JSON). A few seconds on a CPU.
 """
 
@@ -50,7 +51,7 @@ def probe_verify_costs(
     context: int = 256,
     chain_widths: tuple[int, ...] = CHAIN_WIDTHS,
     tree_nodes: tuple[int, ...] = TREE_NODES,
-    reps: int = 9,
+    reps: int = 11,
     warmup: int = 3,
 ) -> tuple[VerifyCosts, dict[str, Any]]:
     """Time the target's verify forwards on its device (module doc).
@@ -64,8 +65,9 @@ def probe_verify_costs(
         warmup: untimed rounds first.
 
     Returns:
-        ``(costs, record)``: the medians as :class:`VerifyCosts` (seconds), and the record
-        ``{"context", "reps", "chain": {w: [ms, ...]}, "tree": {n: [ms, ...]}, "median_ms"}``.
+        ``(costs, record)``: the curve the decision uses (:func:`smooth` of the repetitions) as
+        :class:`VerifyCosts` (seconds), and the record ``{"context", "reps", "chain": {w: [ms,
+        ...]}, "tree": {n: [ms, ...]}, "median_ms", "used_ms"}``.
     """
     device = target.device
     clock = DeviceTimer(device).now
@@ -93,9 +95,11 @@ def probe_verify_costs(
                 if rnd >= warmup:
                     samples[(kind, size)].append(seconds)
     median = {s: statistics.median(v) for s, v in samples.items()}
+    chain = smooth([samples[("chain", w)] for w in chain_widths])
+    tree = smooth([samples[("tree", n)] for n in tree_nodes])
     costs = VerifyCosts(
-        chain={w: median[("chain", w)] for w in chain_widths},
-        tree={n: median[("tree", n)] for n in tree_nodes},
+        chain=dict(zip(chain_widths, chain, strict=True)),
+        tree=dict(zip(tree_nodes, tree, strict=True)),
     )
     record = {
         "context": context,
@@ -104,8 +108,48 @@ def probe_verify_costs(
         "chain": {str(w): [round(1e3 * x, 3) for x in samples[("chain", w)]] for w in chain_widths},
         "tree": {str(n): [round(1e3 * x, 3) for x in samples[("tree", n)]] for n in tree_nodes},
         "median_ms": {
+            "chain": {str(w): round(1e3 * median[("chain", w)], 3) for w in chain_widths},
+            "tree": {str(n): round(1e3 * median[("tree", n)], 3) for n in tree_nodes},
+        },
+        "used_ms": {
             "chain": {str(w): round(1e3 * costs.chain[w], 3) for w in chain_widths},
             "tree": {str(n): round(1e3 * costs.tree[n], 3) for n in tree_nodes},
         },
     }
     return costs, record
+
+
+def smooth(samples: list[list[float]], z: float = 3.0) -> list[float]:
+    """The cost curve the decision uses: non-decreasing in size where the data allow it, with
+    every dip the repetitions show beyond noise kept.
+
+    A forward over more tokens costs at least as much as one over fewer unless the kernels
+    change with the shape (fp32 on the AVX2 kind: 4 tokens cheaper than 3, by 12 %). The median
+    of a few repetitions on a shared machine dips by noise too, and a decision that trusted such
+    a dip would verify the dip's size every step. So the medians are fitted non-decreasing (pool
+    adjacent violators, weights equal), and a size keeps its own median only where it lies below
+    the fit by more than ``z`` standard errors of that median (1.4826 · MAD / √reps).
+
+    Args:
+        samples: the repetitions of each size, in ascending size order.
+
+    Returns:
+        The cost of each size.
+    """
+    medians = [statistics.median(s) for s in samples]
+    blocks: list[list[float]] = []  # [sum, count]
+    for m in medians:
+        blocks.append([m, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    fitted: list[float] = []
+    for total, count in blocks:
+        fitted += [total / count] * int(count)
+    out = []
+    for reps, m, f in zip(samples, medians, fitted, strict=True):
+        mad = statistics.median(abs(x - m) for x in reps)
+        se = 1.4826 * mad / max(len(reps), 1) ** 0.5
+        out.append(m if m < f - z * se else f)
+    return out

@@ -308,7 +308,33 @@ def _shapes_table(summary: dict[str, Any]) -> str:
         row("speedup over the fastest plain", "speedup_vs_fastest_plain", ".2f", "x"),
     ]
     lines += ["", *_shapes_line(summary)[1:]]  # says so when auto was not the fastest
+    lines += _categories_table(shapes)
     return "\n".join(lines) + "\n"
+
+
+def _categories_table(shapes: list[dict[str, Any]]) -> list[str]:
+    """Markdown: every shape's speedup over the fastest plain decoding (and τ) per category of
+    the held-out prompts (none when the prompts carry no categories)."""
+    cats = sorted({c for s in shapes for c in s.get("by_category") or {}})
+    if len(cats) < 2:
+        return []
+    lines = [
+        "",
+        "Per category of the held-out prompts (× the fastest plain decoding; τ):",
+        "",
+        "| category | prompts | " + " | ".join(s["shape"] for s in shapes) + " |",
+        "|---|---:|" + "---:|" * len(shapes),
+    ]
+    for cat in cats:
+        rows = [(s.get("by_category") or {}).get(cat) or {} for s in shapes]
+        cells = [
+            f"{fmt_number(r.get('speedup_vs_fastest_plain', r.get('speedup')), '.2f', 'x')}, "
+            f"{fmt_number(r.get('acceptance_length'))}"
+            for r in rows
+        ]
+        prompts = next((r["prompts"] for r in rows if "prompts" in r), "-")
+        lines.append(f"| {cat} | {prompts} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def summary_markdown(
