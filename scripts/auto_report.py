@@ -3,7 +3,8 @@
 For each results JSON (one run, or merged shards) that holds an ``auto[...]`` method:
 
 * ``<stem>_verify_costs.png``: the probed verify cost by chain width and by tree size, every
-  repetition as a dot and the median as a line (each shard's probe when merged);
+  repetition as a dot, the median as a line and the curve the decision used dashed (each
+  shard's probe when merged);
 * ``<stem>_categories.png``: every method's speedup over the fastest plain decoding per prompt
   category;
 * ``auto_report.md``: per file, the methods side by side (τ, × fastest plain), the per-category
@@ -67,6 +68,15 @@ def plot_costs(data: dict[str, Any], path: Path) -> Path | None:
                 color=f"C{i}",
                 label=f"probe {i + 1}" if len(probes) > 1 else "median",
             )
+            if "used_ms" in probe:  # the curve the decision used (noise dips fitted away)
+                ax.plot(
+                    sizes,
+                    [probe["used_ms"][kind][str(s)] for s in sizes],
+                    "--",
+                    color=f"C{i}",
+                    lw=1,
+                    label="used" if i == 0 else None,
+                )
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
     axes[0].set_ylabel("ms per target forward")

@@ -29,16 +29,4 @@ D="$JOB/eagle3/best"
 mkdir -p "$OUT/quickstart_$COMMIT"
 cp "$JOB/eval.json" "$JOB/quickstart.json" "$JOB/summary.md" "$OUT/quickstart_$COMMIT/"
 cp "$D"/calibration*.png "$OUT/quickstart_$COMMIT/" 2>/dev/null || true
-for T in 0 0.7; do
-  args=(--drafter "eagle=$D" "eagle-tree=$D" ngram "auto:eagle-tree=$D" --dtype bfloat16 --k 2
-        --tree-topk 4 --tree-total-tokens 5 --auto-k 4 --auto-nodes 16
-        --calibration-prompts "$JOB/data/val_prompts.jsonl" --max-new-tokens 128
-        --temperature "$T" --threads 1)
-  draftsmith evaluate "${args[@]}" --shard 0/2 --out "$WORK/t$T.s0.json" > "$WORK/t$T.s0.log" 2>&1 &
-  draftsmith evaluate "${args[@]}" --shard 1/2 --out "$WORK/t$T.s1.json" > "$WORK/t$T.s1.log" 2>&1
-  wait
-  draftsmith evaluate --merge "$WORK/t$T.s0.json" "$WORK/t$T.s1.json" --out "$OUT/eval32_t$T.json" \
-    > "$WORK/t$T.merge.log" 2>&1
-  cp "$D"/calibration*.png "$OUT/" 2>/dev/null || true
-done
-python "$REPO/scripts/auto_report.py" "$OUT"/eval32_t*.json --out "$OUT"
+"$HERE/eval32.sh" "$JOB" "$WORK/eval32" "$OUT"

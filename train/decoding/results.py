@@ -235,7 +235,7 @@ def merge_results(paths: list[Path]) -> dict:
     out["config"] = first["config"]
     out["merged_from"] = [str(p) for p in paths]
     out["prompts_evaluated"] = len(results[0]["per_prompt"])
-    for key in ("command", "versions", "git_commit", "machine"):
+    for key in ("command", "versions", "git_commit", "git_dirty", "machine"):
         if key in first:
             out[key] = first[key]
     probes = [data["verify_costs"] for _, data, _ in loaded if data.get("verify_costs")]
