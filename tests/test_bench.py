@@ -548,3 +548,27 @@ def test_evaluate_runs_through_the_dispatch_the_cli_hands_in(tmp_path, setup, ca
     assert bench.main([*setup["argv"], "--out", str(tmp_path / "c" / "b")]) == 2
     assert "`draftsmith bench ...`" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_bench_reports_auto_as_its_own_shape(setup, tmp_path):
+    """``auto:KIND=DIR`` runs through the bench (flags passed to evaluate), greedy and sampled:
+    its shape is ``auto`` (no chain recommendation), with the decision's record."""
+    argv = setup["argv"]
+    target = argv[argv.index("--target") + 1]
+    eagle = str(setup["run_dir"] / "best")
+    out = tmp_path / "auto"
+    code = cli(
+        [
+            "bench", "--target", target, "--drafter", "ngram", f"auto:eagle-tree={eagle}",
+            "--k", "3", "--temperatures", "0", "0.7", "--max-new-tokens", "8", "--limit", "2",
+            "--no-reference-plain", "--calibration-limit", "2", "--cost-profile",
+            str(setup["profile"]), "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    for run in report["runs"]:
+        auto = run["methods"][1]
+        assert auto["method"].startswith("auto[") and auto["shape"] == "auto"
+    assert all(r["method"].startswith("ngram") for r in report["recommendations"])
+    assert out.with_suffix(".md").is_file()
