@@ -430,16 +430,19 @@ class AutoDrafter:
 
         cands, lookup_nodes = self._merge(learned, found, cal)
         rate = self.rate
+        best = choose_nodes(cands, self.costs, rate) if not self.record else ([], 0.0)
         if self.record:
             chosen = list(range(len(cands)))
         elif learned is not None and learned["probs"] is not None:
             chosen = self._choose_sampled(cands, lookup_nodes, rate)
         else:
-            chosen, _ = choose_nodes(cands, self.costs, rate)
+            chosen = best[0]
         if learned is not None and not self.record:
-            # What the learned drafter added over the lookups alone, less its time.
-            with_it = choose_nodes(cands, self.costs, rate)[1]
+            # What the learned drafter added over the lookups alone, less its time (the best
+            # value with it is the unconstrained choice's, a sampled chain's too: what it could
+            # add, judged for the steps to come).
             without = choose_nodes(cands, self.costs, rate, allowed=lookup_nodes)[1]
+            with_it = best[1]
             self._judge(with_it - without - rate * draft_s)
             self._depth = self._next_depth(cands, chosen, draft_s, rate)
         self._open_step(ids, learned, cands, chosen, draft_s)

@@ -34,20 +34,6 @@ CHAIN_WIDTHS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
 TREE_SIZES = [8, 16, 24, 32, 48, 64]
 
 
-def tree_parents(nodes: int, topk: int = 4) -> list[int]:
-    """A breadth-first top-k tree of ``nodes`` nodes, the shape an EAGLE-2 tree takes."""
-    parents, frontier, nxt = [], [-1], []
-    while len(parents) < nodes:
-        for p in frontier:
-            for _ in range(topk):
-                if len(parents) == nodes:
-                    break
-                parents.append(p)
-                nxt.append(len(parents) - 1)
-        frontier, nxt = nxt[:topk], []
-    return parents
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=300, help="tokens already in the cache")
@@ -64,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from draftsmith.train.decoding.speculative import _tree_inputs
+    from draftsmith.train.decoding.verify_cost import tree_parents
     from draftsmith.train.device import DeviceTimer, is_cpu, make_generator, resolve_device
     from draftsmith.train.runinfo import run_info
     from draftsmith.train.staged import write_json_atomic
