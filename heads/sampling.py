@@ -132,7 +132,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     ``c[i-1] <= u < c[i]`` with ``u ~ U[0, c[V-1])``, i.e. with probability ``probs[i] / sum``;
     zero-probability tokens have an empty interval and are never drawn. ``torch.multinomial``
     draws the same distribution but on the CPU spends 1.05 ms on one 49,152-token row (it makes
-    per-element randomness) against 0.095 ms here (``bench/sampling_cpu.json``), and a sampled
+    per-element randomness) against 0.095 ms here (``bench/cpu_costs/sampling_cpu.json``), and a sampled
     speculative step draws several rows.
 
     Args:

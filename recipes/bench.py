@@ -41,7 +41,7 @@ Outputs, for ``--out OUT``:
 n-gram, draft LM, EAGLE, Medusa, and any kind added later whose name does not end in ``-tree``),
 the speedup predicted at k = 1..``max_k`` from its measured α, its measured drafting seconds per
 drafted token and the verify cost per width of ``scripts/bench_forward.py``'s profile
-(``--cost-profile``, default ``bench/forward_cost.json``). α beyond the measured k is
+(``--cost-profile``, default ``bench/cpu_costs/forward_cost.json``). α beyond the measured k is
 extrapolated (the last conditional acceptance rate held constant) and flagged as such. Trees and
 HF's loops are reported as measured. The report itself (JSON, markdown, plots) is built by
 ``draftsmith.train.report.bench`` and ``draftsmith.train.report.plots``.
@@ -155,7 +155,7 @@ class BenchConfig:
     cost_profile: Path | None = cfg_field(
         None,
         help="verify cost per width, as scripts/bench_forward.py writes it; None: "
-        "bench/forward_cost.json",
+        "bench/cpu_costs/forward_cost.json",
     )
     max_k: int = cfg_field(
         8,

@@ -174,7 +174,7 @@ OWNED = (
 )
 
 # The shipped EAGLE-3 recipe settings (recipes/configs/eagle3_smollm2.yaml): the ones that train
-# fastest on this CPU (bench/train_throughput.json) and learn in a short budget. Its target_dtype
+# fastest on this CPU (bench/training/train_throughput.json) and learn in a short budget. Its target_dtype
 # and mixed_precision (bf16, bf16) follow the job's dtype: TRAIN_DTYPES. Its TTT unroll is the
 # job's --k (QuickstartConfig.k), not the config's 3: the job drafts k positions deep, and a
 # deeper unroll spends a third more of each step on a position it never drafts (2 against 3
@@ -206,7 +206,7 @@ CACHE_TARGET_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 # bf16 weights a 6-token verify costs 0.91x a 1-token forward on the AVX512-BF16 CPU and a
 # 7-token one 1.00x (oneDNN's kernels for a few rows), so 5 nodes (depth 2) is the fastest tree
 # of the 30-minute drafter: τ 1.54, 1.37x plain bf16, against 6 nodes 1.56, 1.29x, 8 nodes 1.61,
-# 1.30x and the k = 2 chain 1.36, 1.27x (32 held-out prompts, bench/issue26_bf16/
+# 1.30x and the k = 2 chain 1.36, 1.27x (32 held-out prompts, bench/quickstart/avx512bf16/
 # quickstart30_d43cdec/shapes_packed.json).
 TREE_TOPK = 4
 TREE_NODES = 5

@@ -15,7 +15,7 @@ forward; HF's counted with a forward hook), and whether every output equals HF g
 
 Run::
 
-    python scripts/bench_decoding.py --k 5 --max-new-tokens 128 --out bench/decoding.json
+    python scripts/bench_decoding.py --k 5 --max-new-tokens 128 --out bench/early_decoding/decoding.json
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ and none beside the HF timing) and each server is killed when its run ends.
 
 Run::
 
-    python scripts/bench_distill.py --out bench/distill_hf_vs_vllm.json
+    python scripts/bench_distill.py --out bench/data_generation/distill_hf_vs_vllm.json
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ vocabulary and each ``--draft-vocab`` size, in each ``--dtypes``, interleaved pe
 
 Run::
 
-    python scripts/bench_draft_vocab.py --out bench/draft_vocab_cpu.json
+    python scripts/bench_draft_vocab.py --out bench/cpu_costs/draft_vocab_cpu.json
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--target", default=None)
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", default="bench/draft_vocab_cpu.json")
+    parser.add_argument("--out", default="bench/cpu_costs/draft_vocab_cpu.json")
     args = parser.parse_args(argv)
 
     from draftsmith.heads.dflash import DFlashConfig, DFlashProposer

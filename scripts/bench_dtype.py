@@ -16,7 +16,7 @@ the command, versions and machine.
 
 Run::
 
-    python scripts/bench_dtype.py --out bench/dtype_cpu.json
+    python scripts/bench_dtype.py --out bench/cpu_costs/dtype_cpu.json
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--target", default=None)
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", default="bench/dtype_cpu.json")
+    parser.add_argument("--out", default="bench/cpu_costs/dtype_cpu.json")
     args = parser.parse_args(argv)
 
     from transformers import DynamicCache

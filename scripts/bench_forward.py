@@ -13,8 +13,8 @@ feeds ``draftsmith evaluate --adaptive-k --cost-profile FILE`` and the bench's r
 
 Run::
 
-    python scripts/bench_forward.py --out bench/forward_cost.json
-    python scripts/bench_forward.py --device cuda --out bench/forward_cost_gpu.json
+    python scripts/bench_forward.py --out bench/cpu_costs/forward_cost.json
+    python scripts/bench_forward.py --device cuda --out bench/gpu/forward_cost_gpu.json
 
 On a GPU the thread counts do not apply (one profile entry, under the torch thread count) and
 every forward is timed with a device synchronize before each clock read.
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree-sizes", type=int, nargs="+", default=TREE_SIZES)
     parser.add_argument("--target", default=None)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", default="bench/forward_cost.json")
+    parser.add_argument("--out", default="bench/cpu_costs/forward_cost.json")
     args = parser.parse_args(argv)
 
     from transformers import DynamicCache

@@ -12,7 +12,7 @@ checks that the logits are identical.
 
 Run (one thread, nothing else on the machine)::
 
-    python scripts/bench_gqa.py --out bench/gqa_cpu.json
+    python scripts/bench_gqa.py --out bench/cpu_costs/gqa_cpu.json
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-new-tokens", type=int, default=48)
     parser.add_argument("--batch-reps", type=int, default=2)
     parser.add_argument("--batch-threads", type=int, default=2)
-    parser.add_argument("--out", default="bench/gqa_cpu.json")
+    parser.add_argument("--out", default="bench/cpu_costs/gqa_cpu.json")
     args = parser.parse_args(argv)
 
     from transformers import DynamicCache

@@ -16,7 +16,7 @@ target, three ways, stock (``DRAFTSMITH_PACKED_LINEARS=0``) against packed:
 Run (nothing else on the machine; decoding on one thread as evaluate's shards run)::
 
     python scripts/bench_packed_linear.py --drafter runs/quickstart/eagle3/best \\
-        --out bench/packed_linear_cpu.json
+        --out bench/cpu_costs/packed_linear_cpu.json
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--batch-new-tokens", type=int, default=48)
     parser.add_argument("--batch-threads", type=int, default=2)
-    parser.add_argument("--out", default="bench/packed_linear_cpu.json")
+    parser.add_argument("--out", default="bench/cpu_costs/packed_linear_cpu.json")
     args = parser.parse_args(argv)
 
     import torch.nn.functional as F

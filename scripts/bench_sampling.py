@@ -10,7 +10,7 @@ versions and machine.
 
 Run::
 
-    python scripts/bench_sampling.py --out bench/sampling_cpu.json
+    python scripts/bench_sampling.py --out bench/cpu_costs/sampling_cpu.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--out", default="bench/sampling_cpu.json")
+    parser.add_argument("--out", default="bench/cpu_costs/sampling_cpu.json")
     args = parser.parse_args(argv)
 
     from draftsmith.heads.sampling import SamplingParams, logits_to_probs, sample

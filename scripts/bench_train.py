@@ -20,7 +20,7 @@ Variants (name: what changes against today):
 Run::
 
     python scripts/bench_train.py --data ~/.cache/draftsmith/data/<distilled>.jsonl \\
-        --samples 48 --rounds 3 --out bench/train_throughput.json
+        --samples 48 --rounds 3 --out bench/training/train_throughput.json
 
 Writes the JSON (command, versions, machine, per-variant figures) and a PNG bar chart beside it.
 
@@ -34,7 +34,7 @@ logged step), so loading and the first, warm-up steps are left out. The JSON hol
 figure of both trees and their ratio (this tree / reference: above 1 is slower)::
 
     python scripts/bench_train.py --recipe-step-time --ref-src /tmp/base --rounds 3 \\
-        --steps 30 --out bench/recipe_step_time.json
+        --steps 30 --out bench/training/recipe_step_time.json
 
 ``--tiny`` runs it on a tiny random target and data made in a temp dir (seconds; a check that
 it works, not a measurement).
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps-per-round", type=int, default=3, help="optimizer steps each")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS])
-    parser.add_argument("--out", default=None, help="default: bench/train_throughput.json")
+    parser.add_argument("--out", default=None, help="default: bench/training/train_throughput.json")
     recipe_mode = parser.add_argument_group("--recipe-step-time: the recipes of two trees")
     recipe_mode.add_argument("--recipe-step-time", action="store_true")
     recipe_mode.add_argument("--ref-src", type=Path, help="the reference source tree")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return recipe_step_time(args)
     if args.data is None:
         parser.error("--data is required (or give --recipe-step-time)")
-    args.out = args.out or "bench/train_throughput.json"
+    args.out = args.out or "bench/training/train_throughput.json"
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -372,7 +372,7 @@ def recipe_step_time(args: argparse.Namespace) -> int:
         **info,
     }
     shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out or "bench/recipe_step_time.json")
+    out = Path(args.out or "bench/training/recipe_step_time.json")
     write_json_atomic(out, result)
     for recipe, row in results.items():
         print(

@@ -15,10 +15,10 @@ process per core) are merged with ``--merge A.json B.json --out C.json``.
 Run (two cores, two shards)::
 
     python scripts/bench_tree_shapes.py --drafter runs/eagle3/best --temperature 0.7 \\
-        --limit 24 --shard 0/2 --out bench/shapes_s0.json &
-    python scripts/bench_tree_shapes.py ... --shard 1/2 --out bench/shapes_s1.json
-    python scripts/bench_tree_shapes.py --merge bench/shapes_s0.json bench/shapes_s1.json \\
-        --out bench/shapes.json
+        --limit 24 --shard 0/2 --out bench/trees/shapes_s0.json &
+    python scripts/bench_tree_shapes.py ... --shard 1/2 --out bench/trees/shapes_s1.json
+    python scripts/bench_tree_shapes.py --merge bench/trees/shapes_s0.json bench/trees/shapes_s1.json \\
+        --out bench/trees/shapes.json
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard", default=None, help="I/N: every N-th prompt from I")
     ap.add_argument("--merge", nargs="+", default=None, help="merge these shard JSONs into --out")
-    ap.add_argument("--out", default="bench/tree_shapes.json")
+    ap.add_argument("--out", default="bench/trees/tree_shapes.json")
     args = ap.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)

@@ -7,7 +7,7 @@ renders as nothing)::
 
 with the file named once per document, before its first use::
 
-    <!-- figfile Q = bench/quickstart/fresh_d260927/eval32.json -->
+    <!-- figfile Q = bench/quickstart/avx512bf16/quickstart30_d260927/eval32.json -->
 
 or inline (``<!-- fig bench/x.json:some.field -->``). The figure is the last number before the
 marker on its line (``1.42`` above; ``1,234`` reads 1234); it must equal the field's value

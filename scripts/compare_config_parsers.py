@@ -27,7 +27,7 @@ HfArgumentParser reads ``parse_yaml_file`` (no flags on top).
 Run::
 
     pip install jsonargparse tyro     # not draftsmith dependencies
-    python scripts/compare_config_parsers.py --out bench/config_parsers.json
+    python scripts/compare_config_parsers.py --out bench/cpu_costs/config_parsers.json
 """
 
 import argparse
@@ -486,7 +486,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("bench/config_parsers.json"))
+    ap.add_argument("--out", type=Path, default=Path("bench/cpu_costs/config_parsers.json"))
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per measure (median)")
     args = ap.parse_args(argv)
     missing = [p.package for p in PARSERS if version(p.package) is None]

@@ -7,9 +7,9 @@ loaded: it reads what the runs recorded, so it costs nothing on a busy machine.
 
 Run::
 
-    python scripts/compare_runs.py --run eagle3=bench/ref_eagle3_sd1800_25min_training_metrics.json \\
+    python scripts/compare_runs.py --run eagle3=bench/early_decoding/ref_eagle3_sd1800_25min_training_metrics.json \\
         --run peagle=runs/peagle/training_metrics.json --run dflash=runs/dflash \\
-        --out bench/issue24_learning_curves.json
+        --out bench/parallel/avx512bf16/learning_curves.json
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ steps × batch × accumulation × processes.
 Run::
 
     python scripts/learning_curve.py --run runs/eagle3_smollm2 --limit 16 \\
-        --out bench/learning_curve_eagle3.json
+        --out bench/training/learning_curve_eagle3.json
 
 Writes the JSON (command, versions, machine, per-checkpoint τ) and a PNG beside it.
 """
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default="bench/learning_curve_eagle3.json")
+    parser.add_argument("--out", default="bench/training/learning_curve_eagle3.json")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -230,7 +230,7 @@ def test_loaded_target_decodes_with_packed_weights_to_the_same_logits(tiny_targe
     """The loaded target's linears are packed, and a cached decode (one row per forward, as the
     loop runs) gives the logits of PyTorch's own kernel up to bf16 rounding: oneDNN's packed
     kernel may round a product differently (one bf16 ulp was seen in the tiny model's 64 -> 32
-    projection; SmolLM2's shapes and the 8-prompt decode of bench/packed_linear_cpu.json matched
+    projection; SmolLM2's shapes and the 8-prompt decode of bench/cpu_costs/packed_linear_cpu.json matched
     exactly)."""
     from transformers import DynamicCache
 

@@ -251,7 +251,7 @@ def native_bf16(device: torch.device | str) -> bool:
     """Whether ``device`` runs bf16 matmuls natively, so that they beat fp32.
 
     Measured on a 2-core AMD EPYC with AVX2 only (no AVX512-BF16), torch 2.13, one thread
-    (``scripts/bench_dtype.py``, ``bench/dtype_cpu_avx2.json``): bf16 takes 7.3x fp32's time on a
+    (``scripts/bench_dtype.py``, ``bench/cpu_costs/dtype_cpu_avx2.json``): bf16 takes 7.3x fp32's time on a
     ``[64, 576] x [576, 1536]`` linear, 7.6x on SmolLM2's forward over 8 x 128 tokens and 5.2x
     on a 64-sequence decode step; on the Zen 4 machines with AVX512-BF16 bf16 is the faster one
     (docs/performance.md).

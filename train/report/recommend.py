@@ -36,7 +36,7 @@ __all__ = [
 #: Where the verify-cost profile is looked for when ``--cost-profile`` is not given: the working
 #: directory first (a checkout), then the checkout this package is installed from (editable).
 DEFAULT_COST_PROFILES = (
-    Path("bench/forward_cost.json"),
+    Path("bench/cpu_costs/forward_cost.json"),
     Path(__file__).resolve().parents[2] / "bench" / "forward_cost.json",
 )
 

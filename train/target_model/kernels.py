@@ -19,7 +19,7 @@ Two fixes for the ``nn.Linear`` layers of the target and of the drafters, applie
   differently by a bf16 ulp, as seen in a tiny test model's 64 -> 32 projection) and, at the
   few rows of decoding, 1.4-2.5x as fast: SmolLM2's lm_head 6.4 -> 3.8 ms for one row and
   8.2 -> 4.0 ms for eight, its MLP down projection 84 -> 44 us for one row; at 64 rows the gain
-  is ~7 %, at 300 ~3 % (``scripts/bench_packed_linear.py``, ``bench/packed_linear_cpu.json``).
+  is ~7 %, at 300 ~3 % (``scripts/bench_packed_linear.py``, ``bench/cpu_costs/packed_linear_cpu.json``).
   Plain bf16 decoding of SmolLM2 went from 18.5 to 24.4 tokens/s, with the same tokens. The
   packed copy is made at the first call that needs no gradient, kept beside the layer (not in
   its state dict; copies of a module start without one) and remade when the weight changes
@@ -177,7 +177,7 @@ def grouped_kv_attention(device: torch.device) -> Iterator[None]:
     SmolLM2 (9 query, 3 K/V heads, bf16, 300 cached positions, one thread) a 3-token chain
     verify took 54.8 ms with the copies and 53.5 ms without, a 7-token tree verify 60.6 and
     59.1 ms, and a one-token decode 56.2 and 56.0 ms, with identical logits
-    (``scripts/bench_gqa.py``, ``bench/gqa_cpu.json``).
+    (``scripts/bench_gqa.py``, ``bench/cpu_costs/gqa_cpu.json``).
 
     Only around batch-1 decoding (the loop in ``train/decoding/speculative.py``): batched
     generation with padding masks got slower with it: ``generate_batch`` at batch 64, 202
