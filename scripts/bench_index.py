@@ -110,7 +110,13 @@ def row(path: Path, folder: Path) -> str:
     if not date:
         seen = first_seen(path)
         date = f"{seen} (committed)" if seen else "not recorded"
-    cells = [f"[`{rel}`]({rel.as_posix()})", command(data), machine(data, path.relative_to(BENCH)), commit, date]
+    cells = [
+        f"[`{rel}`]({rel.as_posix()})",
+        command(data),
+        machine(data, path.relative_to(BENCH)),
+        commit,
+        date,
+    ]
     return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
@@ -124,7 +130,9 @@ def render(folder: Path) -> tuple[Path, str]:
     """The README of ``folder`` with its index rewritten; raises if it has no hand-written part."""
     readme = folder / "README.md"
     if not readme.is_file():
-        raise SystemExit(f"{readme.relative_to(REPO)}: missing (write what the folder measures first)")
+        raise SystemExit(
+            f"{readme.relative_to(REPO)}: missing (write what the folder measures first)"
+        )
     text = readme.read_text()
     head = text.split(MARKER, 1)[0].rstrip() + "\n\n"
     return readme, head + index(folder)

@@ -40,6 +40,12 @@ Usage (the venv's python; a speculators-format export needs only ``--draft``)::
     ~/.cache/draftsmith/vllm-venv/bin/python scripts/vllm_check.py --method eagle3 --draft out/export \\
         --k 3 --prompts my_prompts.jsonl --split heldout --limit 20
 
+``--plain-from EARLIER.json`` reuses the plain run of an earlier results file instead of
+starting a plain engine again (greedy plain output does not depend on the method checked); it is
+refused, naming the field, unless target, prompts, split, number of prompts, max new tokens and
+dtype agree and the prompts render to the same token ids. The vLLM tests check every export
+format against one plain run this way.
+
 ``--dump-draft FILE`` (eagle, eagle3) also saves what vLLM actually loaded as the draft model
 (each linear layer applied to a fixed random input through vLLM's own kernels, the norms, ``d2t``,
 ``compute_logits`` of a random hidden state, whether embedding and head are shared with the
@@ -127,6 +133,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "hidden state (tests compare it with the drafter the export came from)",
     )
     ap.add_argument("--out", default=None, help="results JSON (default: print only)")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run vLLM's engine core and worker inside each phase's process instead of two more "
+        "processes (each importing vLLM and torch again): about half the start-up time on 2 "
+        "cores, for checks; measured speeds are of this setting, not a served engine's",
+    )
+    ap.add_argument(
+        "--plain-from",
+        default=None,
+        help="reuse the plain run of this earlier results JSON (of this script, same target, "
+        "prompts, split, limit, max new tokens and dtype) instead of starting a plain engine "
+        "again: greedy plain output does not depend on the method checked",
+    )
     # Internal: one vLLM run in this process (the parent starts two of these).
     ap.add_argument("--phase", choices=("plain", "spec"), default=None, help=argparse.SUPPRESS)
     ap.add_argument("--phase-in", default=None, help=argparse.SUPPRESS)
@@ -143,7 +163,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--dump-draft works for --method eagle and eagle3")
     if args.phase is None and not Path(args.prompts).is_file():
         ap.error(f"--prompts: no file {args.prompts}")
+    if args.plain_from and not Path(args.plain_from).is_file():
+        ap.error(f"--plain-from: no file {args.plain_from}")
     return args
+
+
+# What a reused plain run must share with this one (its outputs depend on nothing else).
+PLAIN_SETTINGS = ("target", "prompts", "split", "num_prompts", "max_new_tokens", "dtype")
+
+
+def reused_plain(path: str, settings: dict, prompts: list[dict]) -> dict:
+    """The ``plain`` block of an earlier results JSON, checked against this run.
+
+    Raises:
+        ValueError: a setting differs (named), or the prompts' token ids differ.
+    """
+    earlier = json.loads(Path(path).read_text())
+    plain, old = earlier.get("plain"), earlier.get("settings") or {}
+    if not plain:
+        raise ValueError(f"--plain-from {path}: no plain run in it")
+    differ = [k for k in PLAIN_SETTINGS if old.get(k) != settings[k]]
+    if differ:
+        got = ", ".join(f"{k} {old.get(k)!r} != {settings[k]!r}" for k in differ)
+        raise ValueError(f"--plain-from {path}: not the same plain run ({got})")
+    ids = [p["prompt_token_ids"] for p in prompts]
+    if earlier.get("prompt_token_ids") != ids:
+        raise ValueError(f"--plain-from {path}: the prompts render to other token ids")
+    return {**plain, "reused_from": str(path)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +345,9 @@ def probe_draft(worker) -> dict:
 
 def run_phase(args: argparse.Namespace) -> int:
     """Load vLLM once, decode every prompt one at a time, write tokens, timings and metrics."""
+    if args.in_process:
+        # Read when vLLM is imported: the engine core runs in this process (no EngineCore child).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     prompts = json.loads(Path(args.phase_in).read_text())
@@ -309,6 +358,9 @@ def run_phase(args: argparse.Namespace) -> int:
         # allows only when asked to (this process's children inherit the setting).
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     t0 = time.perf_counter()
+    extra = {}
+    if args.in_process:
+        extra["distributed_executor_backend"] = "uni"  # the worker in this process, too
     llm = LLM(
         model=args.target,
         dtype=args.dtype,
@@ -318,6 +370,7 @@ def run_phase(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_mb * 2**20,
         speculative_config=spec,
         disable_log_stats=False,  # get_metrics() needs the stat loggers
+        **extra,
     )
     load_s = time.perf_counter() - t0
     if dump:
@@ -400,6 +453,7 @@ def spawn_phase(args: argparse.Namespace, phase: str, prompts_file: str, out_fil
         "--ngram-max",
         str(args.ngram_max),
         *(["--parallel-drafting"] if args.parallel_drafting else []),
+        *(["--in-process"] if args.in_process else []),
     ]
     if args.draft:
         cmd += ["--draft", args.draft]
@@ -481,10 +535,33 @@ def main(argv: list[str] | None = None) -> int:
         return run_phase(args)
 
     prompts = render_prompts(args.target, load_prompts(args.prompts, args.split, args.limit))
+    settings = {
+        "target": args.target,
+        "method": args.method,
+        "draft": args.draft,
+        "k": args.k,
+        "prompts": str(Path(args.prompts).resolve()),
+        "split": args.split,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "enforce_eager": True,
+        "temperature": 0.0,
+        "batch_size": 1,
+        "dump_draft": args.dump_draft,
+    }
+    plain = None
+    if args.plain_from:
+        try:
+            plain = reused_plain(args.plain_from, settings, prompts)
+        except ValueError as exc:
+            print(f"vllm_check: {exc}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="vllm_check_") as tmp:
         prompts_file = os.path.join(tmp, "prompts.json")
         Path(prompts_file).write_text(json.dumps(prompts))
-        plain = spawn_phase(args, "plain", prompts_file, os.path.join(tmp, "plain.json"))
+        if plain is None:
+            plain = spawn_phase(args, "plain", prompts_file, os.path.join(tmp, "plain.json"))
         spec = None
         if args.method != "none":
             spec = spawn_phase(args, "spec", prompts_file, os.path.join(tmp, "spec.json"))
@@ -493,21 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "command": [sys.executable, *sys.argv],
         "versions": versions(),
-        "settings": {
-            "target": args.target,
-            "method": args.method,
-            "draft": args.draft,
-            "k": args.k,
-            "prompts": args.prompts,
-            "split": args.split,
-            "num_prompts": len(prompts),
-            "max_new_tokens": args.max_new_tokens,
-            "dtype": args.dtype,
-            "enforce_eager": True,
-            "temperature": 0.0,
-            "batch_size": 1,
-            "dump_draft": args.dump_draft,
-        },
+        "settings": settings,
+        "prompt_token_ids": [p["prompt_token_ids"] for p in prompts],
         **summary,
         "plain": plain,
         "spec": spec,

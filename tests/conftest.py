@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -137,3 +139,15 @@ def device(request) -> torch.device:
     from draftsmith.train.device import resolve_device
 
     return resolve_device(request.config.getoption("--device"))
+
+
+def missing(what: str, *, module: bool = False) -> None:
+    """A real component a ``slow`` or ``vllm`` test needs is absent: skip, or fail under
+    ``DRAFTSMITH_REQUIRE_REAL=1``.
+
+    CI (``.ci/run``) sets it after preparing the real target and the vLLM venv, so a check that
+    cannot find them fails the run instead of passing as a skip.
+    """
+    if os.environ.get("DRAFTSMITH_REQUIRE_REAL") == "1":
+        pytest.fail(f"{what} (DRAFTSMITH_REQUIRE_REAL=1: a missing component fails)", pytrace=False)
+    pytest.skip(what, allow_module_level=module)

@@ -71,7 +71,11 @@ def test_index_rows_say_what_is_missing_and_hide_machine_paths(tmp_path, monkeyp
         "git_commit": "abc1234",
         "git_dirty": True,
         "date": "2026-12-06T10:00:00+00:00",
-        "machine": {"cpu_model": "AMD EPYC", "cpu_flags": ["avx2", "avx512f", "avx512_bf16"], "cpu_count": 2},
+        "machine": {
+            "cpu_model": "AMD EPYC",
+            "cpu_flags": ["avx2", "avx512f", "avx512_bf16"],
+            "cpu_count": 2,
+        },
     }
     (folder / "full.json").write_text(json.dumps(full))
     (folder / "avx2" / "old.json").write_text(json.dumps({"machine": {"cpu_count": 2}}))
@@ -85,3 +89,20 @@ def test_index_rows_say_what_is_missing_and_hide_machine_paths(tmp_path, monkeyp
     assert "`abc1234` (dirty)" in rows["full.json"] and "2026-12-06" in rows["full.json"]
     assert "flags not recorded (folder: AVX2 only)" in rows["old.json"]
     assert rows["old.json"].count("not recorded") == 4  # command, flags, commit, date
+
+
+# Issue 51 (2026-12-06) made every result file record its commit; nothing written since may
+# lack one.
+RECORDS_COMMIT_SINCE = "2026-12-06"
+
+
+def test_results_written_since_commits_were_recorded_name_their_commit():
+    import json
+
+    missing = []
+    for path in bench_index.results(bench_index.BENCH):
+        data = json.loads(path.read_text())
+        date = str(data.get("date") or "")[:10]
+        if date >= RECORDS_COMMIT_SINCE and not data.get("git_commit"):
+            missing.append(str(path.relative_to(REPO)))
+    assert not missing, missing[:10]

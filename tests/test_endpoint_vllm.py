@@ -34,6 +34,7 @@ from draftsmith.train.datagen.distill_command import main_distill
 from draftsmith.train.datagen.self_distill import self_distill
 from draftsmith.train.datagen.vllm_server import default_vllm_python, local_vllm_server
 from draftsmith.train.decoding.speculative import generate
+from tests.conftest import missing
 
 pytestmark = pytest.mark.vllm
 
@@ -50,9 +51,9 @@ MAX_NEW = 48
 MIN_EQUAL = 3  # of 4: see the module docstring
 
 if not default_vllm_python().exists():
-    pytest.skip(f"no vLLM venv python at {default_vllm_python()}", allow_module_level=True)
+    missing(f"no vLLM venv python at {default_vllm_python()}", module=True)
 if not (TARGET / "config.json").is_file():
-    pytest.skip(f"real target not prepared at {TARGET}", allow_module_level=True)
+    missing(f"real target not prepared at {TARGET}", module=True)
 
 
 def test_distill_through_vllm_serve_matches_the_hf_path(tmp_path, capsys):

@@ -29,7 +29,7 @@ from draftsmith.train.datagen.vllm_server import default_vllm_python
 from draftsmith.train.features import vllm_backend
 from draftsmith.train.features.cache_command import main_cache
 from draftsmith.train.features.cache_read import HiddenStateCache
-from tests.conftest import tiny_model_dir
+from tests.conftest import missing, tiny_model_dir
 
 FEATURES = Path(vllm_backend.__file__).resolve().parent
 
@@ -285,9 +285,9 @@ COS_TOL = 0.99999  # per-token cosine similarity, minimum
 @pytest.mark.vllm
 def test_vllm_features_match_hf_on_the_real_target(tmp_path):
     if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM venv python at {VLLM_PYTHON}")
+        missing(f"no vLLM venv python at {VLLM_PYTHON}")
     if not (REAL_TARGET / "config.json").is_file():
-        pytest.skip(f"real target not prepared at {REAL_TARGET}")
+        missing(f"real target not prepared at {REAL_TARGET}")
     from draftsmith.train.data.chat import tokenize_conversation
     from draftsmith.train.target_model.load import load_tokenizer
 
