@@ -161,7 +161,7 @@ def test_gpu_check_reports_a_failing_stage(tmp_path):
     assert "device: cuda asked for" in "\n".join(result["stages"]["facts"]["log_tail"])
 
 
-@pytest.mark.slow
+@pytest.mark.rehearsal  # and the real target: -m rehearsal needs it prepared
 def test_gpu_check_on_cpu_with_the_real_target(tmp_path):
     """The script as a GPU machine runs it, here on the CPU with the real SmolLM2 (< 5 min)."""
     proc, result = _run(["--device", "cpu", "--quick"], tmp_path, timeout=300)
