@@ -59,7 +59,7 @@ def run_check(
     tmp_path: Path,
     method: str,
     draft: Path | None = None,
-    limit: int = 4,
+    limit: int = 2,
     dump: Path | None = None,
     extra: tuple[str, ...] = (),
 ) -> dict:
@@ -90,7 +90,7 @@ def run_check(
         "--limit",
         str(limit),
         "--max-new-tokens",
-        "64",
+        "48",
         "--out",
         str(out),
         "--in-process",  # one process per engine, not three: half the start-up (checks only)
