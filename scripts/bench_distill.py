@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--lock", default="/tmp/vllm.lock", help="flock held while vLLM runs")
     ap.add_argument("--skip-hf", action="store_true", help="vLLM runs only")
-    ap.add_argument("--out", default=str(REPO / "bench" / "distill_hf_vs_vllm.json"))
+    ap.add_argument(
+        "--out", default=str(REPO / "bench" / "data_generation" / "distill_hf_vs_vllm.json")
+    )
     args = ap.parse_args(argv)
 
     # The vLLM lock is held for the whole benchmark, HF phase included: another vLLM job

@@ -106,3 +106,13 @@ def test_results_written_since_commits_were_recorded_name_their_commit():
         if date >= RECORDS_COMMIT_SINCE and not data.get("git_commit"):
             missing.append(str(path.relative_to(REPO)))
     assert not missing, missing[:10]
+
+
+def test_the_default_cost_profile_of_an_installed_checkout_exists(tmp_path, monkeypatch):
+    """Outside a checkout (another working directory), bench falls back to the verify-cost
+    profile of the checkout draftsmith is installed from: that file must be where it looks."""
+    from draftsmith.train.report import recommend
+
+    monkeypatch.chdir(tmp_path)
+    assert recommend.DEFAULT_COST_PROFILES[1].is_file(), recommend.DEFAULT_COST_PROFILES[1]
+    assert recommend.default_cost_profile() == recommend.DEFAULT_COST_PROFILES[1]

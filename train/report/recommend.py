@@ -37,7 +37,7 @@ __all__ = [
 #: directory first (a checkout), then the checkout this package is installed from (editable).
 DEFAULT_COST_PROFILES = (
     Path("bench/cpu_costs/forward_cost.json"),
-    Path(__file__).resolve().parents[2] / "bench" / "forward_cost.json",
+    Path(__file__).resolve().parents[2] / "bench" / "cpu_costs" / "forward_cost.json",
 )
 
 
