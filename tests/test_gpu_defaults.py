@@ -76,6 +76,25 @@ def test_auto_is_bf16_on_a_gpu_and_fp32_on_a_cpu_without_it(gpu_with_bf16, monke
     assert auto_dtype("fp32", CUDA, fast="bf16", slow="fp32") == "fp32"  # asked for: kept
 
 
+@pytest.mark.parametrize(
+    "cap, native",
+    [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_BF16", None), ("ALL", None)],
+)
+def test_onednn_capped_below_bf16_emulates_it_whatever_the_cpu(cap, native, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA below oneDNN's bf16 ISAs makes torch's bf16 matmuls emulated even
+    on a CPU with AVX512-BF16 (how an AVX2-only machine is rehearsed on one)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    device_mod._cpu_native_bf16.cache_clear()
+    try:
+        got = device_mod._cpu_native_bf16()
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        device_mod._cpu_native_bf16.cache_clear()
+        uncapped = device_mod._cpu_native_bf16()
+        assert got == (uncapped if native is None else native)
+    finally:
+        device_mod._cpu_native_bf16.cache_clear()
+
+
 @pytest.mark.parametrize("native, expected", [(True, "bf16"), (False, "no")])
 def test_the_default_config_resolves_and_records_mixed_precision(
     native, expected, tmp_path, monkeypatch

@@ -363,3 +363,22 @@ def test_no_tau_gap_where_the_schedule_stops_drafting(served_stage, monkeypatch)
     assert sched[1]["tau_gap"] == pytest.approx(0.0)
     assert "tau_gap" not in sched[16] and "tau_gap_flag" not in sched[16]
     assert sched[16]["acceptance_length"] == 1.0  # still reported, just not judged
+
+
+def test_a_schedule_of_the_fixed_k_everywhere_is_not_served_again(served_stage, monkeypatch):
+    """Speculation wins at every load: the schedule is the fixed-k server itself, so its config
+    is the fixed one and no third server is started to measure it again."""
+    from draftsmith.train.report.served import SAME_AS_FIXED, schedule_markdown, served_lines
+
+    monkeypatch.setitem(TPS, "fixed", {1: 150.0, 4: 400.0, 16: 900.0})
+    run, started = served_stage
+    result = run()
+    assert [p.label for p in started] == ["plain", "ngram"]
+    fixed = started[1].speculative_config
+    schedule = result["rows"][1]["schedule"]
+    assert schedule["entries"] == [[1, 16, 3]] and schedule["same_as_fixed"] is True
+    assert schedule["speculative_config"] == fixed and SCHEDULE_KEY not in fixed
+    assert json.loads(schedule["speculative_config_json"]) == fixed
+    assert "levels" not in schedule and "error" not in schedule
+    assert f"schedule: ngram: {SAME_AS_FIXED}" in served_lines(result)
+    assert f"  - {SAME_AS_FIXED}" in schedule_markdown(result)

@@ -369,11 +369,14 @@ def test_bench_serves_the_ngram_drafter_and_matches_our_tau(tmp_path):
     assert one["spec_decode"]["drafts"] > 0
     assert abs(one["tau_gap"]) <= 0.10, (one["acceptance_length"], one["tau_ours"])
     assert "## Served by vLLM" in out.with_suffix(".md").read_text()
-    # The load-following schedule: a k per measured level, and, when speculation wins at one,
-    # its own server measured at every level; vLLM honours it (no drafts where k = 0).
+    # The load-following schedule: a k per measured level, and, when speculation wins at one
+    # level but not all, its own server measured at every level; vLLM honours it (no drafts
+    # where k = 0). Winning at every level, the schedule is the fixed-k server itself.
     schedule = served["rows"][1]["schedule"]
     assert [p["concurrency"] for p in schedule["per_level"]] == [1, 2]
-    if schedule.get("speculative_config"):
+    if schedule.get("same_as_fixed"):
+        assert [p["k"] for p in schedule["per_level"]] == [K, K] and "levels" not in schedule
+    elif schedule.get("speculative_config"):
         levels = schedule["levels"]
         assert [lv["concurrency"] for lv in levels] == [1, 2]
         for planned, level in zip(schedule["per_level"], levels, strict=True):

@@ -27,6 +27,7 @@ forward's other batch shape into flipped near-ties.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import re
 import time
@@ -235,6 +236,16 @@ def cpu_facts() -> dict[str, Any]:
 
 @functools.cache
 def _cpu_native_bf16() -> bool:
+    # oneDNN, which runs torch's CPU bf16 matmuls, capped below its bf16 ISAs by the user
+    # (ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE, e.g. to rehearse an AVX2-only machine) emulates
+    # bf16 whatever the CPU has.
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if (
+        cap
+        and cap not in ("ALL", "DEFAULT")
+        and not any(isa in cap for isa in ("BF16", "AMX", "FP16", "AVX10"))
+    ):
+        return False
     # torch's own dispatch checks first (x86: the AVX512-BF16 and AMX kernels it would pick).
     cpu = getattr(torch, "cpu", None)
     for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):

@@ -474,7 +474,9 @@ def _serve_schedule(
         The drafter's ``schedule`` entry: :meth:`Schedule.to_json` plus ``speculative_config``
         and ``speculative_config_json`` (the exact ``--speculative-config``; both None when the
         advice is not to speculate) and, when served, ``levels`` (each with
-        ``best_tokens_per_second``, ``best_of`` and ``schedule_ok``) or ``error``.
+        ``best_tokens_per_second``, ``best_of`` and ``schedule_ok``) or ``error``; or, when
+        the schedule is the fixed k at every load, ``same_as_fixed`` (the fixed config, not
+        served again).
     """
     if plain is None:
         return {"entries": None, "summary": "no schedule: the plain server was not measured"}
@@ -488,6 +490,18 @@ def _serve_schedule(
     out["speculative_config"] = config
     out["speculative_config_json"] = None if config is None else config_arg(config)
     print(f"[served] {plan.label}: schedule: {schedule.summary()}", flush=True)
+    if config is not None and {entry[2] for entry in schedule.entries} == {k}:
+        # The fixed k at every load is the fixed-k server measured above: its figures are the
+        # schedule's, its config the flag to serve (no per-batch-size list needed), and a
+        # server of the same drafter and k is not started again to measure the same thing.
+        out["speculative_config"] = dict(plan.speculative_config)
+        out["speculative_config_json"] = config_arg(out["speculative_config"])
+        out["same_as_fixed"] = True
+        print(
+            f"[served] {plan.label} schedule: k={k} at every load, the fixed-k server above",
+            flush=True,
+        )
+        return out
     if config is None or not cfg.served_schedule:
         return out
     sched = ServedPlan(
@@ -715,6 +729,9 @@ def _schedules(served: dict[str, Any] | None):
             yield row["label"], schedule, arg
 
 
+SAME_AS_FIXED = "the same k at every load: the fixed-k server measured above (not served again)"
+
+
 def schedule_markdown(served: dict[str, Any] | None) -> list[str]:
     """The report's load-schedule lines: per drafter, the recommendation from the served
     levels and the exact ``--speculative-config`` to give ``vllm serve`` (none when the
@@ -724,6 +741,8 @@ def schedule_markdown(served: dict[str, Any] | None) -> list[str]:
         lines.append(f"- `{label}`: {schedule['summary']}")
         if arg:
             lines.append(f"  - serve with `{arg}`")
+        if schedule.get("same_as_fixed"):
+            lines.append(f"  - {SAME_AS_FIXED}")
         if schedule.get("error"):
             lines.append(f"  - the schedule server failed: {schedule['error']}")
         cost = schedule.get("k0_cost") or []
@@ -784,6 +803,8 @@ def served_lines(served: dict[str, Any] | None) -> list[str]:
         lines.append(f"schedule: {label}: {schedule['summary']}")
         if arg:
             lines.append(f"schedule: {label}: {arg}")
+        if schedule.get("same_as_fixed"):
+            lines.append(f"schedule: {label}: {SAME_AS_FIXED}")
         if schedule.get("error"):
             lines.append(f"schedule: {label}: {schedule['error']}")
         for level in schedule.get("levels", []):
