@@ -225,6 +225,25 @@ def test_packing_is_off_for_fp16_fp32_and_when_disabled(monkeypatch):
     assert fast_cpu_linears(off) == 1 and "_packed_weight" not in vars(off)
 
 
+def test_no_packing_where_onednn_is_capped_below_bf16(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 (an AVX2-only machine rehearsed on a newer one): oneDNN refuses to
+    pack bf16 weights, so nothing may try; the linears keep torch's own bf16 path."""
+    from draftsmith.train import device
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    device._cpu_native_bf16.cache_clear()
+    try:
+        assert not packing_supported()
+        capped = nn.Linear(8, 4).bfloat16()
+        fast_cpu_linears(capped)
+        assert "_packed_weight" not in vars(capped)
+        x = torch.randn(3, 8, dtype=torch.bfloat16)
+        assert capped(x).shape == (3, 4)
+    finally:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        device._cpu_native_bf16.cache_clear()
+
+
 @needs_packing
 def test_loaded_target_decodes_with_packed_weights_to_the_same_logits(tiny_target_dir, monkeypatch):
     """The loaded target's linears are packed, and a cached decode (one row per forward, as the

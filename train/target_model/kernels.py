@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import native_bf16
+
 __all__ = [
     "PACKED_ENV",
     "PATCHED_DTYPES",
@@ -66,13 +68,15 @@ PATCHED_DTYPES = (torch.bfloat16, torch.float16)
 def packing_supported() -> bool:
     """Whether bf16 weights are prepacked: oneDNN present and a CPU with native bf16 math.
 
-    Without AVX512-BF16 or AMX oneDNN emulates bf16, which was never measured here.
+    Without AVX512-BF16 or AMX oneDNN emulates bf16, which was never measured here; with
+    oneDNN capped below its bf16 ISAs (``ONEDNN_MAX_CPU_ISA=AVX2``) it cannot pack bf16 weights
+    at all, so :func:`~draftsmith.train.device.native_bf16`, which reads the cap, must hold too.
     """
     if os.environ.get(PACKED_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     cpu = torch.cpu
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # x86 kernels only
+    return any(getattr(cpu, name, lambda: False)() for name in checks) and native_bf16("cpu")
 
 
 class _PackedWeight:
