@@ -7,7 +7,7 @@ shard. Goal: caching >= 90% of plain prefill tokens/s.
 
 Run::
 
-    python scripts/bench_hidden_states.py --out bench/data_generation/hidden_states_smollm2.json
+    python scripts/bench_hidden_states.py --batch-tokens 8192 --out bench/data_generation/hidden_states_8192.json
 
 The data are 64 sequences of 280-320 tokens cut from the repository's own source text (tokenized
 with the target's tokenizer), half of each marked supervised.
